@@ -1,0 +1,93 @@
+"""Paged attention in plain PyTorch: runs on every device torch supports, and is the reference backend.
+
+The KV cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's tokens live
+in the blocks its block table lists, in order. Each step first scatters the new keys and values into their
+slots, then every sequence attends over its own cached context with a causal (and, where the layer has one,
+sliding-window) mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.attention.forward_context import AttentionMetadata
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their cache slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_offset: int,
+    key_offset: int,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Attention of one sequence: query [q, H, D] at positions query_offset.., keys [k, Hkv, D] at key_offset..."""
+    q_len, k_len = query.shape[0], key.shape[0]
+    q = query.transpose(0, 1)
+    k = key.transpose(0, 1)
+    v = value.transpose(0, 1)
+    q_pos = torch.arange(query_offset, query_offset + q_len, device=query.device).unsqueeze(1)
+    k_pos = torch.arange(key_offset, key_offset + k_len, device=query.device).unsqueeze(0)
+    needs_mask = q_len > 1 or sliding_window > 0
+    mask = None
+    if needs_mask:
+        mask = k_pos <= q_pos
+        if sliding_window > 0:
+            mask &= k_pos > q_pos - sliding_window
+    if softcap <= 0:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    # Logit soft-capping (Gemma 2) has no SDPA equivalent: spell it out, softmax in float32.
+    groups = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(groups, dim=0)
+    v = v.repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Attend each sequence's queries ([num_tokens, H, D]) over its cached context; returns [num_tokens, H, Dv]."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_size = metadata.block_size
+    out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    starts = metadata.query_start_loc_host
+    for i, seq_len in enumerate(metadata.seq_lens_host):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        query_offset = seq_len - q_len
+        # Keys older than the window can never be attended to: skip whole blocks of them.
+        first_key = max(0, query_offset - sliding_window + 1) if sliding_window > 0 else 0
+        first_block = first_key // block_size
+        last_block = (seq_len + block_size - 1) // block_size
+        blocks = metadata.block_tables[i, first_block:last_block]
+        key_offset = first_block * block_size
+        num_keys = seq_len - key_offset
+        key = k_cache[blocks].flatten(0, 1)[:num_keys]
+        value = v_cache[blocks].flatten(0, 1)[:num_keys]
+        out[q_start:q_end] = _attend(
+            query[q_start:q_end], key, value, query_offset, key_offset, scale, softcap, sliding_window
+        )
+    return out

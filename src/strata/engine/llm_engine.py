@@ -1,0 +1,344 @@
+"""The engine loop: add requests, then `step()` until they finish.
+
+One step = schedule -> run the model on all scheduled tokens -> sample -> detokenise and check stops.
+`step()` returns a cumulative `RequestOutput` for every request that advanced, so callers can stream.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as SequenceABC
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from strata.config import ConfigError, EngineConfig
+from strata.engine.block_manager import BlockManager
+from strata.engine.detokenizer import IncrementalDetokenizer
+from strata.engine.scheduler import ScheduledSequence, Scheduler
+from strata.engine.sequence import Request, Sequence, SequenceStatus
+from strata.outputs import CompletionOutput, Logprob, RequestOutput
+from strata.sample import Sampler, SamplingMetadata, SamplingRow, TokenLogprobs, compute_prompt_logprobs
+from strata.sampling_params import SamplingParams
+from strata.worker.model_runner import ModelOutput, ModelRunner
+
+logger = logging.getLogger("strata.engine")
+
+PromptType = str | list[int] | Mapping[str, Any]
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot run (empty, too long, ids outside the vocabulary, wrong type)."""
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"could not load a tokenizer from {path!r} ({exc}); pass skip_tokenizer_init=True to run on token ids"
+        ) from exc
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
+        self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
+        self.runner = ModelRunner(config)
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        cache = config.cache_config
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
+        self.requests: dict[str, Request] = {}
+        self._request_counter = itertools.count()
+        self._token_text_cache: dict[int, str] = {}
+        self.num_forward_passes = 0
+        self.num_forward_tokens = 0
+        logger.info("engine ready: %s, max_model_len=%d", model_config.model, self.max_model_len)
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.config.model_config.hf_config, self.generation_config()):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    def generation_config(self) -> Any:
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.config.model_config.model)
+        except OSError:
+            return None
+
+    # -- requests -------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Turn a prompt (text, token ids, or a `{"prompt": ...}` / `{"prompt_token_ids": ...}` dict) into ids."""
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = self._encode(prompt["prompt"])
+            else:
+                raise PromptError(
+                    "a prompt dict needs a 'prompt' (text) or 'prompt_token_ids' (list of ints) key"
+                )
+        elif isinstance(prompt, str):
+            text, ids = self._encode(prompt)
+        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, bytes | bytearray):
+            text, ids = None, self._check_token_ids(prompt)
+        else:
+            raise PromptError(
+                f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise PromptError("the prompt is empty: it must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(
+                f"the prompt is {len(ids)} tokens long, but max_model_len={self.max_model_len} leaves no room to "
+                "generate; shorten the prompt or raise max_model_len"
+            )
+        return text, ids
+
+    def _encode(self, text: Any) -> tuple[str, list[int]]:
+        if not isinstance(text, str):
+            raise PromptError(f"'prompt' must be a string, got {type(text).__name__}")
+        if self.tokenizer is None:
+            raise PromptError(
+                "this engine was started with skip_tokenizer_init=True: give prompts as token ids"
+            )
+        return text, list(self.tokenizer.encode(text))
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if isinstance(ids, str | bytes) or not isinstance(ids, SequenceABC):
+            raise PromptError("'prompt_token_ids' must be a list of integers")
+        checked = []
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise PromptError(f"'prompt_token_ids' must hold integers, got {token!r}")
+            if not 0 <= token < self.vocab_size:
+                raise PromptError(
+                    f"token id {token} in 'prompt_token_ids' is outside the vocabulary [0, {self.vocab_size})"
+                )
+            checked.append(token)
+        return checked
+
+    def add_request(
+        self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        request = Request(request_id, text, ids, params, time.monotonic())
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + index)
+            detokenizer = None
+            if self.tokenizer is not None and params.detokenize:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            request.seqs.append(Sequence(request, index, generator, detokenizer))
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return []
+        model_output = self.runner.execute(schedule.scheduled)
+        self.num_forward_passes += 1
+        self.num_forward_tokens += schedule.num_tokens
+        sampling = [item for item in schedule.scheduled if item.samples]
+        sampled_tokens, sampled_logprobs = self._sample(sampling, model_output)
+        self._record_prompt_logprobs(schedule.scheduled, model_output)
+        for item in schedule.scheduled:
+            seq = item.seq
+            computed_before = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(seq, computed_before)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for item, token, token_logprobs in zip(sampling, sampled_tokens, sampled_logprobs, strict=True):
+            seq = item.seq
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            self._append_token(seq, token, token_logprobs)
+            touched[seq.request.request_id] = seq.request
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._make_output(request))
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _sample(
+        self, sampling: list[ScheduledSequence], model_output: ModelOutput
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if not sampling:
+            return [], []
+        rows = [
+            SamplingRow(
+                item.seq.params,
+                item.seq.request.prompt_token_ids,
+                item.seq.output_token_ids,
+                item.seq.generator,
+            )
+            for item in sampling
+        ]
+        logits = model_output.logits[model_output.sample_rows]
+        metadata = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device)
+        result = self.sampler(logits, metadata)
+        return result.sampled_token_ids, result.logprobs
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], model_output: ModelOutput) -> None:
+        for index, (first_row, count) in model_output.prompt_rows.items():
+            item = scheduled[index]
+            seq, request = item.seq, item.seq.request
+            assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
+            targets = torch.tensor(seq.token_ids[item.start + 1 : item.start + 1 + count], dtype=torch.int64)
+            entries = compute_prompt_logprobs(
+                model_output.logits[first_row : first_row + count], targets, request.params.prompt_logprobs
+            )
+            # After a preemption the prompt is recomputed: keep only positions not recorded yet.
+            skip = len(request.prompt_logprobs) - (item.start + 1)
+            request.prompt_logprobs.extend(self._logprob_dict(entry) for entry in entries[max(skip, 0) :])
+
+    def _append_token(self, seq: Sequence, token: int, token_logprobs: TokenLogprobs | None) -> None:
+        seq.token_ids.append(token)
+        if token_logprobs is not None:
+            assert seq.logprobs is not None
+            seq.cumulative_logprob += token_logprobs.logprob
+            seq.logprobs.append(self._logprob_dict(token_logprobs))
+        text_before = len(seq.output_text)
+        if seq.detokenizer is not None:
+            seq.output_text += seq.detokenizer.add_token(token)
+        status = self._check_stop(seq, token, text_before)
+        if status is not None:
+            if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
+                seq.output_text += seq.detokenizer.flush()
+            self.scheduler.finish(seq, status)
+
+    def _check_stop(self, seq: Sequence, token: int, text_before: int) -> SequenceStatus | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+            if params.stop and self._truncate_at_stop_string(seq, text_before):
+                return SequenceStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if seq.num_output_tokens >= max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _truncate_at_stop_string(seq: Sequence, text_before: int) -> bool:
+        """Cut the output text at the earliest stop string that the newest text completed."""
+        params = seq.params
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, text_before - longest + 1)
+        hits = [(pos, stop) for stop in params.stop if (pos := seq.output_text.find(stop, search_from)) >= 0]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        seq.output_text = seq.output_text[: pos + len(stop) if params.include_stop_str_in_output else pos]
+        seq.stop_reason = stop
+        return True
+
+    # -- outputs --------------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str | None:
+        """The text a token contributes, with its leading space (as vLLM shows it in logprobs)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(token_id)])
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        result = {entry.token_id: Logprob(entry.logprob, entry.rank, self.token_text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(
+            zip(entry.top_token_ids, entry.top_logprobs, strict=True), 1
+        ):
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, self.token_text(token_id))
+        return result
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=seq.logprobs,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=completions,
+            finished=request.is_finished,
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+
+    # -- introspection --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests, logs and the server's metrics."""
+        return {
+            **asdict(self.scheduler.stats),
+            **asdict(self.block_manager.stats),
+            "num_forward_passes": self.num_forward_passes,
+            "num_forward_tokens": self.num_forward_tokens,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.block_manager.usage,
+            "num_kv_blocks": self.block_manager.num_blocks,
+        }
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        return fn(self.runner.model)

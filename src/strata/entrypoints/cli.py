@@ -1,0 +1,97 @@
+"""The `strata` command line: `strata generate` and `strata convert`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from strata import __version__
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local model folder (default: the bundled stories260K)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    _add_engine_arguments(parser)
+    parser.add_argument("--prompt", default="Once upon a time", help="text to continue")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    parser.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from strata.entrypoints.llm import LLM
+    from strata.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    llm = LLM(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory
+    )
+    engine = llm.engine
+    request = engine.add_request(args.prompt, params)
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    printed = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request.request_id:
+                text = output.outputs[0].text
+                out.write(text[printed:])
+                out.flush()
+                printed = len(text)
+    out.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from strata.converters.cli import add_convert_parser
+
+    parser = argparse.ArgumentParser(
+        prog="strata", description="Strata: a hardware-agnostic LLM inference engine"
+    )
+    parser.add_argument("--version", action="version", version=f"strata {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate_parser(subparsers)
+    add_convert_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError, OSError) as exc:
+        # User-caused errors (bad options, bad files, bad prompts) are one clear line, not a traceback.
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""`LLM`: the offline API, shaped like vLLM's so its users feel at home."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from strata.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from strata.engine.llm_engine import LLMEngine, PromptError, PromptType
+from strata.outputs import RequestOutput
+from strata.sampling_params import SamplingParams
+
+logger = logging.getLogger("strata")
+
+
+def default_model() -> str:
+    from strata.bundled import default_model as bundled
+
+    return bundled()
+
+
+class LLM:
+    """Generate text from prompts with a local Hugging Face model folder (the bundled model by default)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        device: str = "cpu",
+    ) -> None:
+        model_config = ModelConfig(
+            model=model if model is not None else default_model(),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            skip_tokenizer_init=skip_tokenizer_init,
+        )
+        cache_kwargs: dict[str, Any] = {
+            "block_size": block_size,
+            "enable_prefix_caching": enable_prefix_caching,
+        }
+        if kv_cache_memory is not None:
+            cache_kwargs["kv_cache_memory"] = kv_cache_memory
+        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+            raise ConfigError(f"device must be 'cpu' or an available 'cuda' device, got {device!r}")
+        self.engine = LLMEngine(
+            EngineConfig(
+                model_config=model_config,
+                cache_config=CacheConfig(**cache_kwargs),
+                scheduler_config=SchedulerConfig(
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    enable_chunked_prefill=enable_chunked_prefill,
+                ),
+                device=device,
+            )
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, Sequence):
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; give one or one per prompt"
+                )
+        else:
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
+        for params in params_list:
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params must hold SamplingParams, got {type(params).__name__}")
+        # Validate every prompt before any is queued, so a bad one leaves the engine untouched.
+        tokenized = [self.engine.tokenize_prompt(prompt) for prompt in prompt_list]
+        request_ids = []
+        for (text, ids), params in zip(tokenized, params_list, strict=True):
+            prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+            request_ids.append(self.engine.add_request(prompt, params).request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Mapping[str, Any]] | list[list[Mapping[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was created with skip_tokenizer_init=True")
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass chat_template=... (a Jinja template string)"
+            )
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {
+                "prompt_token_ids": list(
+                    tokenizer.apply_chat_template(
+                        conversation,
+                        chat_template=template,
+                        add_generation_prompt=add_generation_prompt,
+                        tokenize=True,
+                        return_dict=False,
+                    )
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        """Call `fn` on the underlying `torch.nn.Module` and return its result."""
+        return self.engine.apply_model(fn)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, str | Mapping):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        if isinstance(prompts, Sequence):
+            if not prompts:
+                raise PromptError("prompts is empty")
+            return list(prompts)
+        raise PromptError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm) as bar:
+            try:
+                while len(finished) < len(request_ids):
+                    if not self.engine.scheduler.num_unfinished:
+                        raise RuntimeError("the engine has no work left but some requests did not finish")
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in wanted:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                for request_id in wanted - finished.keys():
+                    self.engine.abort_request(request_id)
+                raise
+        return [finished[request_id] for request_id in request_ids]

@@ -1,0 +1,79 @@
+"""Strata's entry in transformers' `AttentionInterface`.
+
+Setting a model config's attention implementation to `"strata"` makes every HF attention module call
+`strata_attention_forward`, which reshapes HF's `[1, heads, tokens, head_dim]` tensors to the flat
+`[tokens, heads, head_dim]` layout and calls the Strata op. "strata" has no entry in transformers'
+mask interface, so HF builds no dense attention mask for this path: the paged backend masks by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+import strata.attention.ops  # noqa: F401  (registers torch.ops.strata.unified_attention)
+
+ATTN_IMPLEMENTATION = "strata"
+LAYER_NAME_ATTR = "strata_layer_name"
+
+
+def strata_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention signature in, `[1, tokens, heads, head_dim]` out (no attention weights)."""
+    assert query.shape[0] == 1, "Strata flattens all sequences of a step into one row"
+    layer_name = getattr(module, LAYER_NAME_ATTR)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.strata.unified_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        layer_name,
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+    )
+    return out.unsqueeze(0), None
+
+
+def register_attention_interface() -> None:
+    """Idempotent: transformers keeps one global mapping per process."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, strata_attention_forward)
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What the KV cache needs to know about one attention layer."""
+
+    name: str
+    num_kv_heads: int
+    head_dim: int
+
+
+def name_attention_layers(model: nn.Module) -> list[AttentionLayerSpec]:
+    """Give each HF attention module its module path as a layer name; returns them in model order.
+
+    HF attention modules are recognised by the attributes they all carry (`layer_idx`, `head_dim`,
+    `num_key_value_groups`), so no list of class names is needed.
+    """
+    specs = []
+    for path, module in model.named_modules():
+        if not all(hasattr(module, attr) for attr in ("layer_idx", "head_dim", "num_key_value_groups")):
+            continue
+        setattr(module, LAYER_NAME_ATTR, path)
+        num_heads = module.config.num_attention_heads
+        specs.append(AttentionLayerSpec(path, num_heads // module.num_key_value_groups, module.head_dim))
+    return specs

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random models built from transformers' own config classes, and the bundled model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from tiny_models import TINY_CONFIGS
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_dir("llama")` -> a saved random-weight model folder (built once per session)."""
+    built: dict[str, Path] = {}
+
+    def build(arch: str) -> Path:
+        if arch not in built:
+            config: PretrainedConfig = TINY_CONFIGS[arch]()
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(folder)
+            built[arch] = folder
+        return built[arch]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    from strata.bundled import default_model
+
+    return Path(default_model())
+
+
+@pytest.fixture(scope="session")
+def shared_models_dir() -> Path:
+    """The read-only shared folder beside the checkout, with the original stories260K files."""
+    folder = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is not present")
+    return folder

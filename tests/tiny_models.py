@@ -1,0 +1,72 @@
+"""Tiny random configs of the decoder-only architectures Strata must run, from transformers' config classes.
+
+Each is small enough to run in milliseconds but keeps what makes its architecture different: GQA, sliding
+windows shorter than the test prompts, logit soft-capping, q/k norms, fused qkv, scaled residuals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GraniteConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.1,
+)
+
+# Shorter than the prompts the tests use, so the window really cuts off old keys.
+SLIDING_WINDOW = 8
+
+TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=SLIDING_WINDOW),
+    "qwen2": lambda: Qwen2Config(**_COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32),
+    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
+    "gemma2": lambda: Gemma2Config(
+        **_COMMON,
+        head_dim=16,
+        sliding_window=SLIDING_WINDOW,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=10.0,
+        query_pre_attn_scalar=16,
+    ),
+    "gemma3": lambda: Gemma3TextConfig(
+        **_COMMON,
+        head_dim=16,
+        sliding_window=SLIDING_WINDOW,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
+    "phi3": lambda: Phi3Config(**_COMMON),
+    "olmo2": lambda: Olmo2Config(**_COMMON),
+    "granite": lambda: GraniteConfig(
+        **_COMMON,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=2.0,
+    ),
+}
