@@ -1,0 +1,272 @@
+"""llama-architecture GGUF files (F32, F16, BF16, Q8_0 tensors) to a Hugging Face Llama folder.
+
+Parsing is the `gguf` package's `GGUFReader`; this module only turns its generic failures (reshape and dtype
+errors from deep inside numpy) into `ConversionError`s that say what is wrong with which file.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf.quants import dequantize
+
+from strata.converters.errors import ConversionError
+from strata.converters.hf_folder import LlamaSpec, TensorSource, rope_interleaved_to_half, write_hf_folder
+from strata.converters.sentencepiece_bpe import PieceType, SentencePieceVocab
+
+_MAGIC = b"GGUF"
+_MIN_SIZE = 24  # magic, version, tensor count and metadata count
+SUPPORTED_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+)
+# GGUF (llama.cpp) tensor name suffix -> HF Llama name suffix, per layer and global.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class _CheckedReader(GGUFReader):
+    """GGUFReader that checks each tensor's type and extent before the base class maps its data.
+
+    Without this, an unknown type id or a truncated data section surfaces as a bare numpy reshape error.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._size = path.stat().st_size
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        for field in fields:
+            _, name_data, _, dims, raw_type, rel_offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+            except ValueError:
+                raise ConversionError(
+                    f"{self._path.name}: tensor {name!r} has unknown GGML type id {int(raw_type[0])}"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elements = int(np.prod(dims))
+            if n_elements % block:
+                raise ConversionError(
+                    f"{self._path.name}: tensor {name!r} of {n_elements} elements does not fill whole "
+                    f"{qtype.name} blocks of {block}"
+                )
+            end = int(start_offs) + int(rel_offset[0]) + n_elements // block * type_size
+            if end > self._size:
+                raise ConversionError(
+                    f"{self._path.name} is truncated: tensor {name!r} ({qtype.name}, shape {dims.tolist()}) "
+                    f"ends at byte {end}, the file has {self._size}"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ConversionError(f"{path}: GGUF file not found")
+    with path.open("rb") as f:
+        head = f.read(_MIN_SIZE)
+    if not _MAGIC.startswith(head[:4]):
+        raise ConversionError(f"{path.name}: not a GGUF file (expected magic {_MAGIC!r}, found {head[:4]!r})")
+    if len(head) < _MIN_SIZE:
+        raise ConversionError(f"{path.name} is truncated: {len(head)} bytes, a GGUF header needs {_MIN_SIZE}")
+    try:
+        return _CheckedReader(path)
+    except ConversionError:
+        raise
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
+        # The metadata section is read field by field; running off the end shows up as one of these.
+        raise ConversionError(
+            f"{path.name} is truncated or corrupt: its metadata cannot be read "
+            f"({path.stat().st_size} bytes; gguf reader: {e})"
+        ) from e
+
+
+def _value(path: Path, field: ReaderField) -> Any:
+    """A metadata value as Python data (str, int, float, bool or list of them)."""
+    kind = field.types[0]
+    try:
+        if kind == GGUFValueType.STRING:
+            return bytes(field.parts[field.data[0]]).decode("utf-8")
+        if kind == GGUFValueType.ARRAY:
+            if field.types[1] == GGUFValueType.STRING:
+                return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+            return [field.parts[i][0].item() for i in field.data]
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path.name}: metadata {field.name!r} holds a string that is not UTF-8") from e
+    return field.parts[field.data[0]][0].item()
+
+
+class _Metadata:
+    """Typed access to GGUF metadata with errors that name the file and the key."""
+
+    def __init__(self, path: Path, reader: GGUFReader) -> None:
+        self.path = path
+        self.fields = reader.fields
+
+    def get(self, key: str, default: Any = None, required: bool = False) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            if required:
+                raise ConversionError(f"{self.path.name}: metadata key {key!r} is missing")
+            return default
+        return _value(self.path, field)
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self.get(key, default, required=default is None)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConversionError(f"{self.path.name}: metadata {key!r} should be a number, found {value!r}")
+        return value
+
+    def size(self, key: str, default: int | None = None) -> int:
+        value = self.number(key, default)
+        if not isinstance(value, int):
+            raise ConversionError(f"{self.path.name}: metadata {key!r} should be an integer, found {value!r}")
+        return value
+
+
+def _shortest_float(value: float) -> float:
+    """GGUF stores float32; 9.999999747e-06 is meant as 1e-05, so keep the shortest float32 spelling."""
+    return float(str(np.float32(value)))
+
+
+def _read_vocab(path: Path, meta: _Metadata) -> SentencePieceVocab:
+    model = meta.get("tokenizer.ggml.model", required=True)
+    if model != "llama":
+        raise ConversionError(
+            f"{path.name}: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece BPE) is supported"
+        )
+    pieces = meta.get("tokenizer.ggml.tokens", required=True)
+    if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+        raise ConversionError(f"{path.name}: tokenizer.ggml.tokens should be an array of strings")
+    n = len(pieces)
+    scores = meta.get("tokenizer.ggml.scores", required=True)
+    raw_types = meta.get("tokenizer.ggml.token_type", [PieceType.NORMAL] * n)
+    try:
+        types = [PieceType(t) for t in raw_types]
+    except ValueError as e:
+        raise ConversionError(
+            f"{path.name}: tokenizer.ggml.token_type holds an unknown piece type ({e})"
+        ) from e
+
+    def token_id(key: str, default: int | None) -> int | None:
+        # Absent ids, and ids outside the vocabulary (the shared file's pad id is 4294967295, i.e. -1), mean none.
+        value = meta.get(f"tokenizer.ggml.{key}_token_id", default)
+        return value if isinstance(value, int) and 0 <= value < n else None
+
+    bos, eos, unk = token_id("bos", None), token_id("eos", None), token_id("unknown", None)
+    if bos is None or eos is None or unk is None:
+        raise ConversionError(
+            f"{path.name}: expected BOS, EOS and unknown token ids inside the vocabulary of {n}; "
+            f"found bos={meta.get('tokenizer.ggml.bos_token_id')}, eos={meta.get('tokenizer.ggml.eos_token_id')}, "
+            f"unknown={meta.get('tokenizer.ggml.unknown_token_id')}"
+        )
+    return SentencePieceVocab(
+        pieces,
+        [float(s) for s in scores],
+        types,
+        bos_id=bos,
+        eos_id=eos,
+        unk_id=unk,
+        pad_id=token_id("padding", None),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        source=path.name,
+    )
+
+
+def _hf_name(path: Path, name: str) -> str:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ConversionError(f"{path.name}: tensor {name!r} has no counterpart in a Hugging Face Llama model")
+
+
+def _load(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], rope_heads: int | None
+) -> np.ndarray:
+    array = dequantize(data, qtype).reshape(shape)
+    return array if rope_heads is None else rope_interleaved_to_half(array, rope_heads)
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Convert a llama-architecture GGUF file into a Hugging Face Llama folder; returns it."""
+    path = Path(path)
+    reader = _open(path)
+    meta = _Metadata(path, reader)
+    arch = meta.get("general.architecture", required=True)
+    if arch != "llama":
+        raise ConversionError(f"{path.name}: general.architecture is {arch!r}; only 'llama' is supported")
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ConversionError(f"{path.name}: RoPE scaling {scaling!r} is not supported")
+
+    vocab = _read_vocab(path, meta)
+    by_name = {t.name: t for t in reader.tensors}
+    # llama.cpp's converters write output.weight even for a shared classifier; identical bytes mean tied.
+    output, embedding = by_name.get("output.weight"), by_name.get("token_embd.weight")
+    tied = output is None or (
+        embedding is not None
+        and output.tensor_type == embedding.tensor_type
+        and np.array_equal(output.data, embedding.data)
+    )
+    n_heads = meta.size("llama.attention.head_count")
+    spec = LlamaSpec(
+        hidden_size=meta.size("llama.embedding_length"),
+        intermediate_size=meta.size("llama.feed_forward_length"),
+        num_layers=meta.size("llama.block_count"),
+        num_heads=n_heads,
+        num_kv_heads=meta.size("llama.attention.head_count_kv", n_heads),
+        vocab_size=len(vocab.pieces),
+        max_position_embeddings=meta.size("llama.context_length"),
+        rms_norm_eps=_shortest_float(meta.number("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=_shortest_float(meta.number("llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings=tied,
+        source=path.name,
+    )
+    for key in ("llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"):
+        if meta.size(key, spec.head_dim) != spec.head_dim:
+            raise ConversionError(
+                f"{path.name}: {key} is {meta.get(key)}; only the head size {spec.head_dim} is supported"
+            )
+
+    rope_heads = {"self_attn.q_proj.weight": spec.num_heads, "self_attn.k_proj.weight": spec.num_kv_heads}
+    tensors: dict[str, TensorSource] = {}
+    for tensor in reader.tensors:
+        if tied and tensor.name == "output.weight":
+            continue
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise ConversionError(
+                f"{path.name}: tensor {tensor.name!r} has type {tensor.tensor_type.name}; supported types are "
+                f"{', '.join(t.name for t in SUPPORTED_TYPES)}"
+            )
+        name = _hf_name(path, tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        heads = rope_heads.get(name.split(".", 3)[-1]) if name.startswith("model.layers.") else None
+        tensors[name] = TensorSource(
+            shape, functools.partial(_load, tensor.data, tensor.tensor_type, shape, heads)
+        )
+    return write_hf_folder(Path(out_dir), spec, tensors, vocab, overwrite=overwrite)
