@@ -59,7 +59,8 @@ GREEDY_55 = [
     270,
     333,
 ]
+# The 55 tokens end inside "high": the 56th token (415) completes it, as the shared README notes.
 GREEDY_55_TEXT = (
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, "
-    "she saw a big, red ball. She wanted to play with it, but it was too high"
+    "she saw a big, red ball. She wanted to play with it, but it was too hig"
 )

@@ -110,10 +110,10 @@ def test_n_gives_independent_outputs(llm: LLM) -> None:
 
 def test_greedy_from_bos_matches_llama2c_reference(llm: LLM, shared_models_dir: Path) -> None:
     reference = (shared_models_dir / "reference_greedy_bos_256.txt").read_text()
-    # llama2.c ran 256 positions: BOS plus 255 generated tokens.
-    params = SamplingParams(temperature=0, max_tokens=255)
+    # llama2.c ran 256 steps from BOS, printing the token each step sampled.
+    params = SamplingParams(temperature=0, max_tokens=256)
     completion = llm.generate({"prompt_token_ids": [1]}, params, use_tqdm=False)[0].outputs[0]
-    assert len(completion.token_ids) == 255
+    assert len(completion.token_ids) == 256
     assert completion.text == reference.removesuffix("\n")
 
 
