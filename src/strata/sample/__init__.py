@@ -1,0 +1,13 @@
+"""Batched token sampling: per-step metadata, the sampler, and prompt logprobs."""
+
+from strata.sample.metadata import SamplingMetadata, SamplingRow
+from strata.sample.sampler import Sampler, SamplerOutput, TokenLogprobs, compute_prompt_logprobs
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "SamplingRow",
+    "TokenLogprobs",
+    "compute_prompt_logprobs",
+]
