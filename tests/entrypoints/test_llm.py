@@ -135,3 +135,33 @@ def test_context_limit_ends_with_length(llm: LLM) -> None:
 def test_apply_model_and_tokenizer(llm: LLM) -> None:
     assert llm.apply_model(lambda model: type(model).__name__) == "LlamaForCausalLM"
     assert llm.get_tokenizer().encode(PROMPT) == PROMPT_IDS
+
+
+def test_chat_uses_the_template_or_says_there_is_none(llm: LLM) -> None:
+    messages = [{"role": "user", "content": PROMPT}]
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat(messages, use_tqdm=False)
+    template = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    params = SamplingParams(temperature=0, max_tokens=55)
+    out = llm.chat(messages, params, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt_token_ids == PROMPT_IDS
+    assert out.outputs[0].token_ids == GREEDY_55
+    both = llm.chat(
+        [messages, [{"role": "user", "content": "Lily"}]], params, use_tqdm=False, chat_template=template
+    )
+    assert len(both) == 2 and both[0].outputs[0].token_ids == GREEDY_55
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible() -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=24)
+    first = LLM(seed=7).generate([PROMPT] * 3, params, use_tqdm=False)
+    second = LLM(seed=7).generate([PROMPT] * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    assert len({tuple(o.outputs[0].token_ids) for o in first}) > 1  # the rows still differ from each other
+
+
+def test_bfloat16_runs_close_to_float32(llm: LLM) -> None:
+    low = LLM(dtype="bfloat16")
+    assert low.apply_model(lambda model: model.lm_head.weight.dtype) == torch.bfloat16
+    out = low.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids[:4] == GREEDY_55[:4]

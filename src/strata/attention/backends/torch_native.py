@@ -61,6 +61,41 @@ def _attend(
     return torch.matmul(probs, v).transpose(0, 1)
 
 
+def _decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """One query token per sequence, all sequences at once: query [B, H, D] -> [B, H, Dv].
+
+    Each sequence's blocks are gathered into a padded [B, max_len] key/value view and the padding (and
+    anything outside the sliding window) is masked, so a decode step costs a few batched ops per layer
+    instead of one attention call per sequence.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-2]
+    keys = k_cache[block_tables].flatten(1, 2)  # [B, L, Hkv, D]
+    values = v_cache[block_tables].flatten(1, 2)
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys).float() * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(keys.shape[1], device=query.device)
+    last = (seq_lens - 1).unsqueeze(1)
+    invalid = key_pos > last
+    if sliding_window > 0:
+        invalid |= key_pos <= last - sliding_window
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values)
+    return out.reshape(batch, num_heads, values.shape[-1])
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -71,6 +106,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend each sequence's queries ([num_tokens, H, D]) over its cached context; returns [num_tokens, H, Dv]."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if metadata.is_pure_decode:
+        return _decode_attention(
+            query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, softcap, sliding_window
+        )
     block_size = metadata.block_size
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
     starts = metadata.query_start_loc_host
