@@ -11,6 +11,10 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from tiny_models import TINY_CONFIGS
 
+# The test models are tiny: a second intra-op thread buys nothing, and when another process holds a core,
+# OpenMP barriers waiting for a descheduled thread made the suite 30x slower. One thread keeps it steady.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
