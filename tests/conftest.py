@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from tiny_models import TINY_CONFIGS
 # The test models are tiny: a second intra-op thread buys nothing, and when another process holds a core,
 # OpenMP barriers waiting for a descheduled thread made the suite 30x slower. One thread keeps it steady.
 torch.set_num_threads(1)
+
+# The example plugin is installed into the test environment, and a loaded plugin overrides layers for the
+# rest of the process; tests load it only in subprocesses (tests/test_plugins.py) that select it.
+os.environ["STRATA_PLUGINS"] = ""
 
 
 @pytest.fixture(scope="session")

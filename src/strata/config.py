@@ -6,6 +6,9 @@ User-caused problems raise `ConfigError` (a ValueError) naming the field and wha
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,11 +143,75 @@ class SchedulerConfig:
             )
 
 
+LAYER_IMPLS = ("default", "hw-agnostic")
+
+
+@dataclass
+class LayerConfig:
+    """Which layer implementations replace the HF model's norms and MLPs, and which ops use their fast path.
+
+    `layer_impl` None takes STRATA_USE_HW_AGNOSTIC. `custom_ops` starts from "all" or "none" and adjusts
+    single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
+    """
+
+    layer_impl: str | None = None
+    custom_ops: list[str] = field(default_factory=lambda: ["all"])
+
+    def __post_init__(self) -> None:
+        if self.layer_impl is None:
+            self.layer_impl = "hw-agnostic" if envs.use_hw_agnostic_default() else "default"
+        if self.layer_impl not in LAYER_IMPLS:
+            raise ConfigError(f"layer_impl must be one of {', '.join(LAYER_IMPLS)}, got {self.layer_impl!r}")
+        if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, list | tuple):
+            raise ConfigError(f"custom_ops must be a list of strings, got {self.custom_ops!r}")
+        self.custom_ops = list(self.custom_ops)
+        bases = [op for op in self.custom_ops if op in ("all", "none")]
+        if len(bases) > 1:
+            raise ConfigError(f"custom_ops may hold one of 'all' or 'none', got {self.custom_ops!r}")
+        for op in self.custom_ops:
+            valid = isinstance(op, str) and (op in ("all", "none") or (op[:1] in ("+", "-") and len(op) > 1))
+            if not valid:
+                raise ConfigError(
+                    f"custom_ops entries must be 'all', 'none', '+op_name' or '-op_name', got {op!r}"
+                )
+
+    @property
+    def use_hw_agnostic(self) -> bool:
+        return self.layer_impl == "hw-agnostic"
+
+    def op_enabled(self, op_name: str) -> bool:
+        """Whether `op_name` uses its platform fast path; the last matching +/- entry wins."""
+        enabled = "none" not in self.custom_ops
+        for op in self.custom_ops:
+            if op[:1] in ("+", "-") and op[1:] == op_name:
+                enabled = op[0] == "+"
+        return enabled
+
+
+_current_layer_config: ContextVar[LayerConfig | None] = ContextVar("strata_layer_config", default=None)
+
+
+@contextmanager
+def set_current_layer_config(layer_config: LayerConfig) -> Iterator[None]:
+    """Make `layer_config` the one layers built inside this block see (model construction only)."""
+    token = _current_layer_config.set(layer_config)
+    try:
+        yield
+    finally:
+        _current_layer_config.reset(token)
+
+
+def get_current_layer_config() -> LayerConfig:
+    """The layer config of the model being built; outside a build, the defaults (env included)."""
+    return _current_layer_config.get() or LayerConfig()
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    layer_config: LayerConfig = field(default_factory=LayerConfig)
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -26,3 +26,33 @@ def kv_cache_memory_default() -> int | None:
 def num_threads_default() -> int | None:
     """STRATA_NUM_THREADS: torch intra-op threads; unset = leave torch's choice."""
     return _get_int("STRATA_NUM_THREADS", None)
+
+
+def _get_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name} must be 1/true or 0/false, got {raw!r}")
+
+
+def use_hw_agnostic_default() -> bool:
+    """STRATA_USE_HW_AGNOSTIC: default of `layer_impl` when neither the API nor the CLI gives one."""
+    return _get_bool("STRATA_USE_HW_AGNOSTIC", False)
+
+
+def plugins_default() -> list[str] | None:
+    """STRATA_PLUGINS: comma-separated plugin names to load; unset = every installed plugin, empty = none."""
+    raw = os.environ.get("STRATA_PLUGINS")
+    if raw is None:
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def plugins_strict_default() -> bool:
+    """STRATA_PLUGINS_STRICT: a plugin that fails to load is an error (1, default) or a warning and a skip (0)."""
+    return _get_bool("STRATA_PLUGINS_STRICT", True)

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from strata.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig
+from strata.config import CacheConfig, ConfigError, EngineConfig, LayerConfig, ModelConfig, SchedulerConfig
+from strata.custom_op import describe_layers
 from strata.engine.llm_engine import LLMEngine, PromptError, PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         device: str = "cpu",
+        layer_impl: str | None = None,
+        custom_ops: list[str] | None = None,
     ) -> None:
         model_config = ModelConfig(
             model=model if model is not None else default_model(),
@@ -69,6 +72,9 @@ class LLM:
                     enable_chunked_prefill=enable_chunked_prefill,
                 ),
                 device=device,
+                layer_config=LayerConfig(
+                    layer_impl=layer_impl, custom_ops=["all"] if custom_ops is None else custom_ops
+                ),
             )
         )
 
@@ -143,6 +149,11 @@ class LLM:
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         """Call `fn` on the underlying `torch.nn.Module` and return its result."""
         return self.engine.apply_model(fn)
+
+    def layer_providers(self) -> list[dict[str, str]]:
+        """Each replaced layer of the model: module path, op, provider (default, hw-agnostic or
+        oot:<plugin>), implementation class and the forward method in use."""
+        return self.engine.apply_model(describe_layers)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -51,7 +51,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
         self.model: nn.Module
-        self.model, self.layers = build_model(config.model_config)
+        self.model, self.layers = build_model(config.model_config, config.layer_config)
         self.model.to(self.device)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()

@@ -19,13 +19,16 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from strata.config import ConfigError, ModelConfig
+from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
+from strata.custom_op import describe_layers, summarize_layers
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
     AttentionLayerSpec,
     name_attention_layers,
     register_attention_interface,
 )
+from strata.models.transformers.fusers import WeightMapping, WeightTarget, fuse_layers
+from strata.plugins import load_plugins
 
 logger = logging.getLogger("strata.models.loader")
 
@@ -54,8 +57,14 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model(model_config: ModelConfig) -> tuple[nn.Module, list[AttentionLayerSpec]]:
-    """Build the HF model for `model_config` with Strata attention and its weights loaded, in eval mode."""
+def build_model(
+    model_config: ModelConfig, layer_config: LayerConfig | None = None
+) -> tuple[nn.Module, list[AttentionLayerSpec]]:
+    """Build the HF model for `model_config` with Strata attention and its weights loaded, in eval mode.
+
+    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`).
+    """
+    layer_config = layer_config or LayerConfig()
     hf_config = model_config.hf_config
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     if model_class is None or getattr(hf_config, "is_encoder_decoder", False):
@@ -69,17 +78,23 @@ def build_model(model_config: ModelConfig) -> tuple[nn.Module, list[AttentionLay
             "so Strata cannot run it"
         )
     register_attention_interface()
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=model_config.torch_dtype
-        )
+    load_plugins()
+    with set_current_layer_config(layer_config):
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=model_config.torch_dtype
+            )
+        weight_mapping = fuse_layers(model)
     specs = name_attention_layers(model)
     if not specs:
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model with decoder attention layers Strata can drive"
         )
-    load_weights(model, Path(model_config.model), model_config.torch_dtype)
+    load_weights(model, Path(model_config.model), model_config.torch_dtype, weight_mapping)
     model.eval()
+    logger.info(
+        "layers (layer_impl=%s): %s", layer_config.layer_impl, summarize_layers(describe_layers(model))
+    )
     return model, specs
 
 
@@ -108,22 +123,42 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, tensor
 
 
-def load_weights(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Replace each meta parameter by its checkpoint tensor; tie what the config ties; name any mismatch."""
+def load_weights(
+    model: nn.Module, folder: Path, dtype: torch.dtype, weight_mapping: WeightMapping | None = None
+) -> None:
+    """Replace each meta parameter by its checkpoint tensor; tie what the config ties; name any mismatch.
+
+    `weight_mapping` sends checkpoint names of replaced modules to their new parameters; a sharded target
+    (a merged gate/up projection) is assembled from its shards and set once all of them arrived.
+    """
+    weight_mapping = weight_mapping or {}
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
+    assembling: dict[str, tuple[torch.Tensor, set[int]]] = {}
     for name, tensor in _iter_checkpoint(_checkpoint_files(folder)):
-        if name not in params:
+        target = weight_mapping.get(name, WeightTarget(name))
+        if target.param not in params:
             unexpected.append(name)
             continue
-        expected = params[name]
-        if tuple(tensor.shape) != tuple(expected.shape):
+        expected = params[target.param]
+        shard_rows = expected.shape[0] // target.num_shards
+        expected_shape = (shard_rows, *expected.shape[1:]) if target.num_shards > 1 else tuple(expected.shape)
+        if tuple(tensor.shape) != tuple(expected_shape):
             raise WeightLoadError(
-                f"tensor {name} in {folder} has shape {tuple(tensor.shape)}, the model expects {tuple(expected.shape)}"
+                f"tensor {name} in {folder} has shape {tuple(tensor.shape)}, the model expects {tuple(expected_shape)}"
             )
-        _set_parameter(model, name, nn.Parameter(tensor.to(dtype), requires_grad=False))
-        loaded.add(name)
+        if target.num_shards > 1:
+            if target.param not in assembling:
+                assembling[target.param] = (torch.empty(expected.shape, dtype=dtype), set())
+            merged, shards = assembling[target.param]
+            merged[target.shard * shard_rows : (target.shard + 1) * shard_rows] = tensor
+            shards.add(target.shard)
+            if len(shards) < target.num_shards:
+                continue
+            tensor = merged
+        _set_parameter(model, target.param, nn.Parameter(tensor.to(dtype), requires_grad=False))
+        loaded.add(target.param)
     for target, source in model.get_expanded_tied_weights_keys(all_submodels=True).items():
         if target not in loaded and source in loaded:
             _set_parameter(model, target, model.get_parameter(source))

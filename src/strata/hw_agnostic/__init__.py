@@ -1,0 +1,1 @@
+"""Hardware-agnostic layers: plain PyTorch with float32 intermediate math, the same numbers on every backend."""

@@ -1,0 +1,84 @@
+"""What the default and the hw-agnostic layers share: parameters, constructor and verification inputs.
+
+Only the math differs between the two providers, so each provider's classes subclass these bases and
+implement the forward methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from strata.custom_op import CustomOp
+
+# Width of the random inputs of `strata layers --verify` for elementwise act-and-mul ops.
+_VERIFY_ACT_WIDTH = 128
+
+
+class RMSNormBase(CustomOp):
+    """`x / sqrt(mean(x^2) + eps)` times a learned per-channel weight over the last dimension.
+
+    Given a `residual`, the op first adds it to `x` and returns `(normed, x + residual)`.
+    """
+
+    weight_init: float = 1.0
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(
+            torch.full((hidden_size,), self.weight_init, dtype=dtype), requires_grad=False
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}, forward={self.forward_method_name}"
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        def sample() -> torch.Tensor:
+            x = torch.randn(num_tokens, self.hidden_size, generator=generator)
+            return x.to(device=self.weight.device, dtype=dtype)
+
+        return [(sample(),), (sample(), sample())]
+
+
+class ActAndMulBase(CustomOp):
+    """`act(x[..., :d]) * x[..., d:]` with `d = x.shape[-1] // 2`: the activation of a GLU MLP."""
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        return [(torch.randn(num_tokens, _VERIFY_ACT_WIDTH, generator=generator).to(dtype),)]
+
+
+class GeluAndMulBase(ActAndMulBase):
+    """GeGLU: `gelu(gate) * up`, exact (`approximate="none"`) or with the tanh approximation."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}, forward={self.forward_method_name}"
+
+
+def act_and_mul_table(
+    silu_and_mul: type[ActAndMulBase], gelu_and_mul: type[GeluAndMulBase]
+) -> dict[str, Callable[[], CustomOp]]:
+    """HF activation name -> act-and-mul factory; gelu_new and gelu_fast are the tanh approximation."""
+    gelu_tanh = partial(gelu_and_mul, approximate="tanh")
+    return {
+        "silu": silu_and_mul,
+        "swish": silu_and_mul,
+        "gelu": partial(gelu_and_mul, approximate="none"),
+        "gelu_pytorch_tanh": gelu_tanh,
+        "gelu_new": gelu_tanh,
+        "gelu_fast": gelu_tanh,
+    }

@@ -1,0 +1,87 @@
+"""Default RMSNorms: fused ATen `rms_norm` on CPU, a Triton kernel on CUDA (ATen where Triton is not
+installed), and a plain formula as `forward_native`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.custom_op import CustomOp
+from strata.layers import load_triton_kernels
+from strata.layers.base import RMSNormBase
+
+
+def _forward_cuda(
+    norm: RMSNormBase, x: torch.Tensor, residual: torch.Tensor | None, offset_weight: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """The Triton kernel's result, or None when Triton is missing (the caller then uses ATen)."""
+    kernels = load_triton_kernels()
+    if kernels is None:
+        return None
+    out, new_residual = kernels.rms_norm(x, norm.weight, norm.variance_epsilon, residual, offset_weight)
+    return out if new_residual is None else (out, new_residual)
+
+
+def _add_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused-residual form normalises `x + residual` and hands that sum on as the next residual."""
+    if residual is None:
+        return x, None
+    x = x + residual
+    return x, x
+
+
+@CustomOp.register("rms_norm")
+class RMSNorm(RMSNormBase):
+    """Llama's RMSNorm: statistics in float32, the weight applied in the input dtype."""
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, residual = _add_residual(x, residual)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, residual = _add_residual(x, residual)
+        out = F.rms_norm(x, (self.hidden_size,), self.weight, self.variance_epsilon)
+        return out if residual is None else (out, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        result = _forward_cuda(self, x, residual, offset_weight=False)
+        return self.forward_cpu(x, residual) if result is None else result
+
+
+@CustomOp.register("gemma_rms_norm")
+class GemmaRMSNorm(RMSNormBase):
+    """Gemma's RMSNorm: scales by `1 + weight` (the checkpoint stores the offset), all in float32."""
+
+    weight_init = 0.0
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, residual = _add_residual(x, residual)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, residual = _add_residual(x, residual)
+        weight = 1.0 + self.weight.float()
+        out = F.rms_norm(x.float(), (self.hidden_size,), weight, self.variance_epsilon).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        result = _forward_cuda(self, x, residual, offset_weight=True)
+        return self.forward_cpu(x, residual) if result is None else result

@@ -1,0 +1,64 @@
+"""`strata layers` prints the provider table with totals and, with --verify, the largest difference per op;
+`strata generate --layer-impl` switches the provider."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata.config import LayerConfig, ModelConfig
+from strata.entrypoints.cli import main
+from strata.entrypoints.llm import default_model
+from strata.layers import activation
+from strata.models.transformers.layers import verify_layers
+from strata.models.transformers.loader import build_model
+
+
+def test_layers_table_totals_and_verify(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layers", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "layer_impl: default" in out
+    assert "model.layers.0.input_layernorm" in out and "strata.layers.layernorm.RMSNorm" in out
+    assert "total: 21 replaced; by provider: default 21; by op: glu_mlp 5, rms_norm 11, silu_and_mul 5" in out
+    verify = out.split("max_abs_diff", 1)[1]
+    assert "rms_norm      11       0" in verify and "silu_and_mul  5        0" in verify
+
+
+def test_layers_hw_agnostic_and_custom_ops(
+    capsys: pytest.CaptureFixture[str], tiny_model_dir: Callable[[str], Path]
+) -> None:
+    folder = str(tiny_model_dir("gemma3"))
+    assert main(["layers", "--model", folder, "--layer-impl", "hw-agnostic", "--custom-ops", "none"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "total: 25 replaced; by provider: default 3, hw-agnostic 22; by op: gelu_and_mul 3, gemma_rms_norm 19, glu_mlp 3"
+        in out
+    )
+    assert "forward_cpu" not in out
+    assert main(["layers", "--custom-ops", "all,none"]) == 2
+    assert "custom_ops" in capsys.readouterr().err
+
+
+def test_verify_catches_a_layer_that_computes_something_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fast path that exists but is wrong resolves and runs without complaint; only --verify shows it."""
+
+    def wrong_forward_cpu(self: activation.SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_native(x) * 1.5
+
+    monkeypatch.setattr(activation.SiluAndMul, "forward_cpu", wrong_forward_cpu)
+    model, _ = build_model(ModelConfig(default_model()), LayerConfig(layer_impl="default"))
+    checks = {row["op"]: row for row in verify_layers(model)}
+    assert checks["silu_and_mul"]["max_abs_diff"] > 0.1
+    assert checks["silu_and_mul"]["reference"] == "strata.hw_agnostic.layers.activation.SiluAndMul"
+    assert checks["rms_norm"]["max_abs_diff"] == 0.0
+
+
+def test_generate_with_layer_impl(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12"]
+    assert main([*args, "--layer-impl", "hw-agnostic"]) == 0
+    hw = capsys.readouterr().out
+    assert main([*args, "--layer-impl", "default"]) == 0
+    assert capsys.readouterr().out == hw
