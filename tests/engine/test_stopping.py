@@ -70,3 +70,15 @@ def test_abort_frees_blocks_at_once(tiny_model_dir: Callable[[str], Path]) -> No
     engine.abort_request("b")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.has_unfinished_requests() and engine.step() == []
+
+
+def test_outputs_are_snapshots(tiny_model_dir: Callable[[str], Path]) -> None:
+    """A streamed output must not change when the engine takes later steps."""
+    engine = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True).engine
+    engine.add_request(PROMPT, SamplingParams(max_tokens=5, logprobs=1, prompt_logprobs=1, ignore_eos=True))
+    first = engine.step()[0]
+    seen = (list(first.outputs[0].token_ids), len(first.outputs[0].logprobs), len(first.prompt_logprobs))
+    while engine.has_unfinished_requests():
+        last = engine.step()
+    assert len(last[0].outputs[0].token_ids) == 5
+    assert (first.outputs[0].token_ids, len(first.outputs[0].logprobs), len(first.prompt_logprobs)) == seen

@@ -304,13 +304,14 @@ class LLMEngine:
         return result
 
     def _make_output(self, request: Request) -> RequestOutput:
+        """A snapshot: the lists are copies, so later steps never change an output already handed out."""
         completions = [
             CompletionOutput(
                 index=seq.index,
                 text=seq.output_text,
                 token_ids=seq.output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                logprobs=seq.logprobs,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.status.finish_reason,
                 stop_reason=seq.stop_reason,
             )
@@ -320,7 +321,7 @@ class LLMEngine:
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             outputs=completions,
             finished=request.is_finished,
             num_cached_tokens=request.seqs[0].num_cached_tokens,

@@ -1,4 +1,4 @@
-"""The `strata` command line: `strata generate` and `strata convert`."""
+"""The `strata` command line: `strata generate`, `strata convert` and `strata serve`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from strata import __version__
+from strata.entrypoints.layers_cli import add_layer_arguments, add_layers_parser, layer_config_kwargs
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    add_layer_arguments(parser)
     parser.set_defaults(func=_run_generate)
 
 
@@ -43,7 +45,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        **layer_config_kwargs(args),
     )
     engine = llm.engine
     request = engine.add_request(args.prompt, params)
@@ -64,6 +70,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from strata.converters.cli import add_convert_parser
+    from strata.entrypoints.openai.cli_args import add_serve_parser
 
     parser = argparse.ArgumentParser(
         prog="strata", description="Strata: a hardware-agnostic LLM inference engine"
@@ -73,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate_parser(subparsers)
     add_convert_parser(subparsers)
+    add_layers_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

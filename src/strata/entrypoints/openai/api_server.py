@@ -1,0 +1,260 @@
+"""The FastAPI app of `strata serve` and the uvicorn server that runs it.
+
+Every error leaves as OpenAI's error schema: validation errors become 400s naming the parameter (never
+pydantic's internals), unknown routes 404, and anything unexpected a 500 that does not touch the engine.
+A small ASGI guard in front of the app answers 503 while shutting down, 401 without the API key, and
+413 for oversized bodies, and counts responses by status for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from strata import __version__
+from strata.engine.async_engine import AsyncLLMEngine
+from strata.entrypoints.openai.metrics import ServerMetrics
+from strata.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    TokenizeRequest,
+    TokenizeResponse,
+    error_body,
+)
+from strata.entrypoints.openai.serving import OpenAIServing
+from strata.entrypoints.openai.serving_chat import OpenAIServingChat
+from strata.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("strata.server")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerConfig:
+    model_path: str
+    model_names: list[str]
+    api_key: str | None = None
+    chat_template: str | None = None
+    shutting_down: bool = field(default=False, init=False)
+
+
+class GuardMiddleware:
+    """Shutdown, auth and body-size checks before any routing or parsing; status counting after."""
+
+    def __init__(self, app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.config = config
+        self.metrics = metrics
+        # Metric labels use known routes only, so random paths cannot blow up the label set.
+        self.routes = frozenset(route.path for route in app.routes if isinstance(route, APIRoute))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        endpoint = path if path in self.routes else "other"
+        status_seen: list[int] = []
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        rejection = self._rejection(scope)
+        try:
+            if rejection is not None:
+                status, message, code = rejection
+                response = JSONResponse(error_body(status, message, code=code), status_code=status)
+                await response(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            status_label = str(status_seen[0]) if status_seen else "disconnected"
+            self.metrics.http_requests.labels(endpoint=endpoint, status=status_label).inc()
+
+    def _rejection(self, scope: Scope) -> tuple[int, str, str] | None:
+        """(status, message, code) of a request refused before the app sees it, else None."""
+        if self.config.shutting_down:
+            return 503, "the server is shutting down", "service_unavailable"
+        headers = dict(scope["headers"])
+        if self.config.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            expected = f"Bearer {self.config.api_key}".encode()
+            if not secrets.compare_digest(given, expected):
+                return (
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                    "invalid_api_key",
+                )
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return 413, f"the request body must be at most {MAX_BODY_BYTES} bytes", "request_too_large"
+        return None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A short message and the top-level parameter it is about, from pydantic's first error."""
+    errors = exc.errors()
+    error = errors[0] if errors else {}
+    if error.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    if not loc or not isinstance(loc[0], str):
+        return "the request body must be a JSON object with the endpoint's fields", None
+    return f"{loc[0]}: {error.get('msg', 'invalid value')}", loc[0]
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
+    metrics = ServerMetrics(config.model_names[0])
+    serving_args = (engine, config.model_names, metrics, config.chat_template)
+    completions = OpenAIServingCompletion(*serving_args)
+    chat = OpenAIServingChat(*serving_args)
+    base = OpenAIServing(*serving_args)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            config.shutting_down = True
+            await engine.shutdown()
+
+    app = FastAPI(title="Strata", version=__version__, lifespan=lifespan, openapi_url=None)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.response().model_dump(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(engine.stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The engine's counters (forward passes, batch sizes, KV blocks): for tests and debugging."""
+        return engine.stats
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        cards = [
+            ModelCard(id=name, root=config.model_path, max_model_len=engine.max_model_len)
+            for name in config.model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        base.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        if request.messages is not None:
+            ids = base.render_chat(request.messages, request.add_generation_prompt)
+        elif engine.tokenizer is None:
+            raise OpenAIError(400, "this server has no tokenizer", "prompt")
+        else:
+            ids = list(engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        base.check_model(request.model)
+        ids = request.tokens
+        if engine.tokenizer is None:
+            raise OpenAIError(400, "this server has no tokenizer", "tokens")
+        if any(not 0 <= token < engine.vocab_size for token in ids):
+            raise OpenAIError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(ids))
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        return await completions.create(request, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        return await chat.create(request, raw_request)
+
+    return GuardMiddleware(app, config, metrics)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: flag the app as shutting down on the first signal, and say when it is ready."""
+
+    def __init__(self, uvicorn_config: uvicorn.Config, server_config: ServerConfig) -> None:
+        super().__init__(uvicorn_config)
+        self.server_config = server_config
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.server_config.shutting_down = True
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"strata: serving {self.server_config.model_names[0]} at http://{host}:{port}", flush=True)
+
+
+def run_server(
+    engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, shutdown_timeout: float
+) -> None:
+    """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted."""
+    app = build_app(engine, config)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=logging.getLogger().getEffectiveLevel(),
+        access_log=False,
+        timeout_graceful_shutdown=max(shutdown_timeout, 0.1),
+    )
+    # uvicorn re-raises the signal it caught into the previous handler after shutting down; a no-op
+    # handler there makes a graceful shutdown exit 0 instead of dying of the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    _Server(uvicorn_config, config).run()

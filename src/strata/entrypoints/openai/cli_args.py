@@ -1,0 +1,88 @@
+"""`strata serve`: its options, and building the engine and server from them.
+
+Kept free of heavy imports so `strata --help` stays fast; torch, the engine and FastAPI load on run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    from strata.entrypoints.cli import _add_engine_arguments
+    from strata.entrypoints.layers_cli import add_layer_arguments
+
+    parser = subparsers.add_parser(
+        "serve", help="serve the OpenAI API (completions, chat, streaming) on HTTP; ready when /health is 200"
+    )
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder (same as --model)"
+    )
+    _add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)"
+    )
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: the model)"
+    )
+    parser.add_argument("--chat-template", default=None, help="Jinja chat template file (or template text)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    add_layer_arguments(parser)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (not available yet)")
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted",
+    )
+    parser.set_defaults(func=run_serve)
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if args.compile:
+        raise ValueError("--compile is not available yet: torch.compile support is a later issue")
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    chat_template = _read_chat_template(args.chat_template)
+
+    import torch
+
+    from strata import envs
+    from strata.engine.async_engine import AsyncLLMEngine
+    from strata.entrypoints.layers_cli import layer_config_kwargs
+    from strata.entrypoints.llm import LLM, default_model
+    from strata.entrypoints.openai.api_server import ServerConfig, run_server
+
+    num_threads = envs.num_threads_default()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    model = args.model_tag or args.model
+    llm = LLM(
+        model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        **layer_config_kwargs(args),
+    )
+    model_path = model if model is not None else default_model()
+    names = args.served_model_name or [model if model is not None else Path(model_path).name]
+    config = ServerConfig(
+        model_path=model_path, model_names=names, api_key=args.api_key, chat_template=chat_template
+    )
+    run_server(AsyncLLMEngine(llm.engine), config, args.host, args.port, args.shutdown_timeout)
+    return 0

@@ -1,0 +1,80 @@
+"""Prometheus metrics of the server, named like vLLM's (`strata:` instead of `vllm:`).
+
+Each app gets its own registry, so several servers in one process (tests) never collide. Engine gauges
+are read from the async engine's stats snapshot at scrape time; latencies are observed by the serving
+layer as outputs reach the event loop, which is what a client sees.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from strata.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=self.registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.http_requests = Counter(
+            "strata:http_requests",
+            "HTTP requests by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_success = Counter(
+            "strata:request_success",
+            "Generation requests by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "strata:prompt_tokens", "Prompt tokens processed.", list(labels), registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "strata:generation_tokens", "Tokens generated.", list(labels), registry=self.registry
+        )
+        self.num_running = gauge("strata:num_requests_running", "Sequences in the running batch.")
+        self.num_waiting = gauge("strata:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage = gauge("strata:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.forward_passes = gauge("strata:num_forward_passes", "Forward passes run by the engine.")
+        self.ttft = histogram("strata:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("strata:inter_token_latency_seconds", "Time between a request's outputs.")
+        self.e2e = histogram("strata:e2e_request_latency_seconds", "Arrival to finish of a request.")
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(**self._labels).observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.itl.labels(**self._labels).observe(seconds)
+
+    def observe_finished(self, seconds: float, num_prompt_tokens: int, last: RequestOutput | None) -> None:
+        """Count a request that ended (finished, failed or aborted) with its last output."""
+        reason = "abort"
+        if last is not None and last.finished and last.outputs[0].finish_reason is not None:
+            reason = last.outputs[0].finish_reason
+        generated = sum(len(c.token_ids) for c in last.outputs) if last is not None else 0
+        self.request_success.labels(**self._labels, finished_reason=reason).inc()
+        self.prompt_tokens.labels(**self._labels).inc(num_prompt_tokens)
+        self.generation_tokens.labels(**self._labels).inc(generated)
+        self.e2e.labels(**self._labels).observe(seconds)
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        """The Prometheus text exposition, with engine gauges taken from `stats` now."""
+        self.num_running.labels(**self._labels).set(stats["num_running"])
+        self.num_waiting.labels(**self._labels).set(stats["num_waiting"])
+        self.kv_cache_usage.labels(**self._labels).set(stats["kv_cache_usage"])
+        self.forward_passes.labels(**self._labels).set(stats["num_forward_passes"])
+        return generate_latest(self.registry)
