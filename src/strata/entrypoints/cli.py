@@ -76,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="strata", description="Strata: a hardware-agnostic LLM inference engine"
     )
     parser.add_argument("--version", action="version", version=f"strata {__version__}")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Strata's log level; logs go to stderr",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate_parser(subparsers)
     add_convert_parser(subparsers)
@@ -91,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Strata reports its start-up (KV cache size, providers) at INFO; other libraries stay at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("strata").setLevel(args.log_level)
     try:
         return int(args.func(args))
     except (ValueError, TypeError, OSError) as exc:
