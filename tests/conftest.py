@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,9 @@ torch.set_num_threads(1)
 # The example plugin is installed into the test environment, and a loaded plugin overrides layers for the
 # rest of the process; tests load it only in subprocesses (tests/test_plugins.py) that select it.
 os.environ["STRATA_PLUGINS"] = ""
+
+# Compiled pieces go to a private folder (subprocess servers inherit it), never the user's ~/.cache.
+os.environ["STRATA_CACHE_ROOT"] = tempfile.mkdtemp(prefix="strata-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -206,12 +206,67 @@ def get_current_layer_config() -> LayerConfig:
     return _current_layer_config.get() or LayerConfig()
 
 
+FUSION_PASSES = ("fuse_kv_write_into_attention",)
+FUSION_PASSES_ON: tuple[str, ...] = ()
+COMPILE_MODES = ("model", "layer")
+
+
+@dataclass
+class CompilationConfig:
+    """Whether and how the model forward is compiled (`torch.compile` with Strata's piecewise backend).
+
+    `use_layer_name` None takes STRATA_USE_LAYERNAME (on): layer-name ops get a `LayerName`, which compiles
+    as a graph input, so identical layers share one compiled piece. It also applies without `compile`,
+    because it selects the op variant at model build. `passes` maps a fusion pass name to on/off; passes
+    not named take `FUSION_PASSES_ON` (none: the only pass, `fuse_kv_write_into_attention`, measured
+    slower on the CPU). `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
+    STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
+    decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for all, so
+    compile time is flat in depth (embedding and head stay eager; decode pays a guard check per layer).
+    """
+
+    compile: bool | None = None
+    mode: str = "model"
+    use_layer_name: bool | None = None
+    passes: dict[str, bool] = field(default_factory=dict)
+    cache_dir: str | None = None
+    use_cache: bool | None = None
+
+    def __post_init__(self) -> None:
+        from strata.compilation.layer_name import HAS_OPAQUE_TYPE
+
+        if self.compile is None:
+            self.compile = envs.compile_default()
+        if self.use_layer_name is None:
+            self.use_layer_name = envs.use_layer_name_default() and HAS_OPAQUE_TYPE
+        if self.use_cache is None:
+            self.use_cache = not envs.disable_compile_cache()
+        if self.cache_dir is None:
+            self.cache_dir = str(Path(envs.cache_root()) / "compile")
+        for name in ("compile", "use_layer_name", "use_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mode not in COMPILE_MODES:
+            raise ConfigError(f"mode must be one of {', '.join(COMPILE_MODES)}, got {self.mode!r}")
+        if not isinstance(self.passes, dict):
+            raise ConfigError(f"passes must be a dict of pass name -> bool, got {self.passes!r}")
+        for name, enabled in self.passes.items():
+            if name not in FUSION_PASSES or not isinstance(enabled, bool):
+                raise ConfigError(
+                    f"passes: {name!r}: {enabled!r} is not allowed; keys are {', '.join(FUSION_PASSES)}, values bools"
+                )
+
+    def pass_enabled(self, name: str) -> bool:
+        return self.passes.get(name, name in FUSION_PASSES_ON)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     layer_config: LayerConfig = field(default_factory=LayerConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -56,3 +56,23 @@ def plugins_default() -> list[str] | None:
 def plugins_strict_default() -> bool:
     """STRATA_PLUGINS_STRICT: a plugin that fails to load is an error (1, default) or a warning and a skip (0)."""
     return _get_bool("STRATA_PLUGINS_STRICT", True)
+
+
+def use_layer_name_default() -> bool:
+    """STRATA_USE_LAYERNAME: pass layer names to ops as `LayerName` (on; off where torch lacks opaque types)."""
+    return _get_bool("STRATA_USE_LAYERNAME", True)
+
+
+def compile_default() -> bool:
+    """STRATA_COMPILE: default of `compile` (off until compiled decode is faster everywhere)."""
+    return _get_bool("STRATA_COMPILE", False)
+
+
+def cache_root() -> str:
+    """STRATA_CACHE_ROOT: where Strata keeps caches; default ~/.cache/strata."""
+    return os.environ.get("STRATA_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "strata")
+
+
+def disable_compile_cache() -> bool:
+    """STRATA_DISABLE_COMPILE_CACHE=1: compile from scratch every start and write nothing to disk."""
+    return _get_bool("STRATA_DISABLE_COMPILE_CACHE", False)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stories260k import GREEDY_55_TEXT, PROMPT
 
 
@@ -15,10 +17,14 @@ def _strata(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_generate_streams_the_llama2c_story() -> None:
-    result = _strata("generate", "--prompt", PROMPT, "--max-tokens", "55")
+@pytest.mark.parametrize("compile_flag", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_generate_streams_the_llama2c_story(compile_flag: list[str]) -> None:
+    result = _strata(
+        "--log-level", "INFO", "generate", "--prompt", PROMPT, "--max-tokens", "55", *compile_flag
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == GREEDY_55_TEXT + "\n"
+    assert ("loaded from cache" in result.stderr) == bool(compile_flag)
 
 
 def test_help_lists_commands() -> None:

@@ -10,6 +10,7 @@ from transformers import AutoConfig
 from transformers.masking_utils import create_causal_mask
 
 from strata import LLM
+from strata.compilation.layer_name import resolve_layer_name
 from strata.models.transformers.attention import ATTN_IMPLEMENTATION, register_attention_interface
 
 
@@ -42,7 +43,11 @@ def test_hf_builds_no_mask_for_strata_attention(tiny_model_dir: Callable[[str], 
 def test_every_attention_layer_is_named_and_has_a_cache(tiny_model_dir: Callable[[str], Path]) -> None:
     llm = LLM(str(tiny_model_dir("gemma3")), skip_tokenizer_init=True)
     names = llm.apply_model(
-        lambda model: [m.strata_layer_name for m in model.modules() if hasattr(m, "strata_layer_name")]
+        lambda model: [
+            resolve_layer_name(m.strata_layer_name)
+            for m in model.modules()
+            if hasattr(m, "strata_layer_name")
+        ]
     )
     assert names == [f"model.layers.{i}.self_attn" for i in range(3)]
     assert sorted(llm.engine.runner.kv_caches) == sorted(names)

@@ -1,8 +1,17 @@
-"""`torch.ops.strata.unified_attention`: the one attention op every model calls.
+"""The attention ops every model calls; each takes tensors, the layer's name and scalar settings only.
 
-The op takes only tensors, the layer's name and the layer's scalar attention settings. The name is the
-handle to that layer's KV cache in the forward context, so the op never holds an `nn.Module`: to the
-compiler each call looks the same apart from the name.
+The name is the handle to that layer's KV cache in the forward context, so no op holds an `nn.Module`:
+to the compiler each call looks the same apart from the name, and with `LayerName` not even that.
+
+- `strata::attention_with_kv_write(query, key, value, layer_name, scale, softcap, sliding_window)`: write
+  this step's K/V into the layer's paged cache, then attend. Eager forwards call this one.
+- `strata::kv_cache_update(key, value, layer_name)` and `strata::unified_attention(query, kv_written,
+  layer_name, scale, softcap, sliding_window)`: the same work as two ops. Traced forwards emit these, so
+  the KV write sits in the compiled pieces (only attention is a split point) and fusion passes can see it;
+  the `fuse_kv_write_into_attention` pass turns the pair back into the one op. `kv_written` is a dummy
+  output of the write that orders it before the attention reading the cache.
+
+Each is registered twice (`LayerNameOp`): taking `LayerNameType` and, as `<name>_str`, taking `str`.
 """
 
 from __future__ import annotations
@@ -10,36 +19,83 @@ from __future__ import annotations
 import torch
 
 from strata.attention.backends.torch_native import paged_attention, write_to_kv_cache
-from strata.attention.forward_context import get_forward_context
+from strata.attention.forward_context import AttentionMetadata, get_forward_context
+from strata.compilation.layer_name import LayerNameOp, LayerNameType, resolve_layer_name
 
 
-@torch.library.custom_op("strata::unified_attention", mutates_args=())
-def unified_attention(
+def _cache_and_metadata(layer_name: LayerNameType) -> tuple[torch.Tensor, AttentionMetadata]:
+    context = get_forward_context()
+    metadata = context.attn_metadata
+    assert metadata is not None, "attention needs metadata; the model runner sets it for every step"
+    return context.kv_caches[resolve_layer_name(layer_name)], metadata
+
+
+def _kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: LayerNameType) -> torch.Tensor:
+    """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache; returns an empty dependency."""
+    kv_cache, metadata = _cache_and_metadata(layer_name)
+    write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    return key.new_empty(0)
+
+
+def _kv_cache_update_fake(key: torch.Tensor, value: torch.Tensor, layer_name: LayerNameType) -> torch.Tensor:
+    return key.new_empty(0)
+
+
+def _unified_attention(
+    query: torch.Tensor,
+    kv_written: torch.Tensor,
+    layer_name: LayerNameType,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Attend over `layer_name`'s cache (this step's K/V already written); query/out [T, H, D]."""
+    kv_cache, metadata = _cache_and_metadata(layer_name)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+
+
+def _unified_attention_fake(
+    query: torch.Tensor,
+    kv_written: torch.Tensor,
+    layer_name: LayerNameType,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def _attention_with_kv_write(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer_name: str,
+    layer_name: LayerNameType,
     scale: float,
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
     """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache, then attend; query/out [T, H, D]."""
-    context = get_forward_context()
-    kv_cache = context.kv_caches[layer_name]
-    metadata = context.attn_metadata
-    assert metadata is not None, "attention needs metadata; the model runner sets it for every step"
+    kv_cache, metadata = _cache_and_metadata(layer_name)
     write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
     return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
 
 
-@unified_attention.register_fake
-def _unified_attention_fake(
+def _attention_with_kv_write_fake(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layer_name: str,
+    layer_name: LayerNameType,
     scale: float,
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+    return torch.empty_like(query)
+
+
+kv_cache_update = LayerNameOp("kv_cache_update", _kv_cache_update, _kv_cache_update_fake)
+unified_attention = LayerNameOp("unified_attention", _unified_attention, _unified_attention_fake)
+attention_with_kv_write = LayerNameOp(
+    "attention_with_kv_write", _attention_with_kv_write, _attention_with_kv_write_fake
+)
+# Where the compiled graph is split: everything between two of these is one compiled piece.
+ATTENTION_OPS = (unified_attention, attention_with_kv_write)

@@ -18,6 +18,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the model forward, piecewise (default: STRATA_COMPILE, off)",
+    )
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +55,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        compile=args.compile,
         **layer_config_kwargs(args),
     )
     engine = llm.engine

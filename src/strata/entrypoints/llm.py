@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from strata.config import CacheConfig, ConfigError, EngineConfig, LayerConfig, ModelConfig, SchedulerConfig
+from strata.config import (
+    CacheConfig,
+    CompilationConfig,
+    ConfigError,
+    EngineConfig,
+    LayerConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from strata.custom_op import describe_layers
 from strata.engine.llm_engine import LLMEngine, PromptError, PromptType
 from strata.outputs import RequestOutput
@@ -22,6 +30,31 @@ def default_model() -> str:
     from strata.bundled import default_model as bundled
 
     return bundled()
+
+
+def _compilation_config(
+    compile: bool | None, config: CompilationConfig | Mapping[str, Any] | None
+) -> CompilationConfig:
+    """`compile=` wins over the config's own `compile`; a dict is validated field by field."""
+    if config is None:
+        config = CompilationConfig()
+    elif isinstance(config, Mapping):
+        fields = set(CompilationConfig.__dataclass_fields__)
+        unknown = set(config) - fields
+        if unknown:
+            raise ConfigError(
+                f"compilation_config: unknown keys {sorted(unknown)}; allowed are {', '.join(sorted(fields))}"
+            )
+        config = CompilationConfig(**config)
+    elif not isinstance(config, CompilationConfig):
+        raise TypeError(
+            f"compilation_config must be a CompilationConfig or a dict, got {type(config).__name__}"
+        )
+    if compile is not None:
+        if not isinstance(compile, bool):
+            raise ConfigError(f"compile must be a bool, got {compile!r}")
+        config.compile = compile
+    return config
 
 
 class LLM:
@@ -45,6 +78,8 @@ class LLM:
         device: str = "cpu",
         layer_impl: str | None = None,
         custom_ops: list[str] | None = None,
+        compile: bool | None = None,
+        compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
     ) -> None:
         model_config = ModelConfig(
             model=model if model is not None else default_model(),
@@ -75,6 +110,7 @@ class LLM:
                 layer_config=LayerConfig(
                     layer_impl=layer_impl, custom_ops=["all"] if custom_ops is None else custom_ops
                 ),
+                compilation_config=_compilation_config(compile, compilation_config),
             )
         )
 

@@ -22,6 +22,12 @@ def _forward_cuda(
     return out if new_residual is None else (out, new_residual)
 
 
+def _rms_norm_2d(x: torch.Tensor, hidden_size: int, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ATen's rms_norm over a 2-D view: on q/k norms' [1, tokens, heads, dim] inputs its shape checks would
+    ask whether the (compiled, unbacked) token count is 0 or 1, which `torch.compile` cannot answer."""
+    return F.rms_norm(x.reshape(-1, hidden_size), (hidden_size,), weight, eps).view(x.shape)
+
+
 def _add_residual(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused-residual form normalises `x + residual` and hands that sum on as the next residual."""
     if residual is None:
@@ -47,7 +53,7 @@ class RMSNorm(RMSNormBase):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x, residual = _add_residual(x, residual)
-        out = F.rms_norm(x, (self.hidden_size,), self.weight, self.variance_epsilon)
+        out = _rms_norm_2d(x, self.hidden_size, self.weight, self.variance_epsilon)
         return out if residual is None else (out, residual)
 
     def forward_cuda(
@@ -77,7 +83,7 @@ class GemmaRMSNorm(RMSNormBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x, residual = _add_residual(x, residual)
         weight = 1.0 + self.weight.float()
-        out = F.rms_norm(x.float(), (self.hidden_size,), weight, self.variance_epsilon).to(x.dtype)
+        out = _rms_norm_2d(x.float(), self.hidden_size, weight, self.variance_epsilon).to(x.dtype)
         return out if residual is None else (out, residual)
 
     def forward_cuda(

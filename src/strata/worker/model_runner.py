@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
+from strata.compilation.compiler import CompiledForward
 from strata.config import ConfigError, EngineConfig
 from strata.engine.scheduler import ScheduledSequence
 from strata.models.transformers.loader import build_model
@@ -51,8 +52,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache_config.block_size
         self.model: nn.Module
-        self.model, self.layers = build_model(config.model_config, config.layer_config)
+        compilation = config.compilation_config
+        self.model, self.layers = build_model(
+            config.model_config, config.layer_config, bool(compilation.use_layer_name)
+        )
         self.model.to(self.device)
+        self.compiled: CompiledForward | None = None
+        if compilation.compile:
+            self.compiled = CompiledForward(self.model, config)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
 
@@ -164,7 +171,10 @@ class ModelRunner:
             rows = [0]
         keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
         with set_forward_context(metadata, self.kv_caches):
-            logits = self.model(
-                input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
-            ).logits[0]
+            if self.compiled is not None:
+                logits = self.compiled(input_ids, positions, keep)
+            else:
+                logits = self.model(
+                    input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
+                ).logits[0]
         return ModelOutput(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)

@@ -31,7 +31,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file (or template text)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     add_layer_arguments(parser)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (not available yet)")
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -53,8 +52,6 @@ def _read_chat_template(value: str | None) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    if args.compile:
-        raise ValueError("--compile is not available yet: torch.compile support is a later issue")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     chat_template = _read_chat_template(args.chat_template)
@@ -77,6 +74,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
+        compile=args.compile,
         **layer_config_kwargs(args),
     )
     model_path = model if model is not None else default_model()

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-import strata.attention.ops  # noqa: F401  (registers torch.ops.strata.unified_attention)
+from strata.attention.ops import attention_with_kv_write, kv_cache_update, unified_attention
+from strata.compilation.layer_name import encode_layer_name
 
 ATTN_IMPLEMENTATION = "strata"
 LAYER_NAME_ATTR = "strata_layer_name"
@@ -37,15 +38,13 @@ def strata_attention_forward(
     assert query.shape[0] == 1, "Strata flattens all sequences of a step into one row"
     layer_name = getattr(module, LAYER_NAME_ATTR)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.strata.unified_attention(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        layer_name,
-        float(scale),
-        float(softcap or 0.0),
-        int(sliding_window or 0),
-    )
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    settings = (float(scale), float(softcap or 0.0), int(sliding_window or 0))
+    if torch.compiler.is_compiling():
+        # Traced graphs keep the KV write as its own op, inside the compiled pieces, for fusion passes.
+        out = unified_attention(q, kv_cache_update(k, v, layer_name), layer_name, *settings)
+    else:
+        out = attention_with_kv_write(q, k, v, layer_name, *settings)
     return out.unsqueeze(0), None
 
 
@@ -63,8 +62,11 @@ class AttentionLayerSpec:
     head_dim: int
 
 
-def name_attention_layers(model: nn.Module) -> list[AttentionLayerSpec]:
+def name_attention_layers(model: nn.Module, use_layer_name: bool = False) -> list[AttentionLayerSpec]:
     """Give each HF attention module its module path as a layer name; returns them in model order.
+
+    The name is stored encoded (`encode_layer_name`): a `LayerName` when `use_layer_name` is on and torch
+    supports it, which also selects the `LayerName` variant of the attention op at call time.
 
     HF attention modules are recognised by the attributes they all carry (`layer_idx`, `head_dim`,
     `num_key_value_groups`), so no list of class names is needed.
@@ -73,7 +75,7 @@ def name_attention_layers(model: nn.Module) -> list[AttentionLayerSpec]:
     for path, module in model.named_modules():
         if not all(hasattr(module, attr) for attr in ("layer_idx", "head_dim", "num_key_value_groups")):
             continue
-        setattr(module, LAYER_NAME_ATTR, path)
+        setattr(module, LAYER_NAME_ATTR, encode_layer_name(path, use_layer_name))
         num_heads = module.config.num_attention_heads
         specs.append(AttentionLayerSpec(path, num_heads // module.num_key_value_groups, module.head_dim))
     return specs

@@ -58,11 +58,12 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def build_model(
-    model_config: ModelConfig, layer_config: LayerConfig | None = None
+    model_config: ModelConfig, layer_config: LayerConfig | None = None, use_layer_name: bool = False
 ) -> tuple[nn.Module, list[AttentionLayerSpec]]:
     """Build the HF model for `model_config` with Strata attention and its weights loaded, in eval mode.
 
-    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`).
+    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`);
+    `use_layer_name` makes attention layers call the `LayerName` variant of the attention op.
     """
     layer_config = layer_config or LayerConfig()
     hf_config = model_config.hf_config
@@ -85,7 +86,7 @@ def build_model(
                 hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=model_config.torch_dtype
             )
         weight_mapping = fuse_layers(model)
-    specs = name_attention_layers(model)
+    specs = name_attention_layers(model, use_layer_name)
     if not specs:
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model with decoder attention layers Strata can drive"

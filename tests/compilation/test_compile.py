@@ -1,0 +1,196 @@
+"""`LLM(compile=True)`: compiled and eager engines agree, one Dynamo graph serves every batch size, identical
+pieces compile once (with `LayerName`), the str path never shares a name-holding piece, passes fire.
+
+Compiling costs seconds on two cores, so each compiled engine is built once per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from strata import LLM, SamplingParams
+from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
+from strata.worker.model_runner import ModelOutput
+
+pytestmark = pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
+
+# Different lengths, so decode batches shrink 3 -> 2 -> 1 and prefill mixes lengths.
+PROMPTS = [[1, 43, 47, 90, 61], [1, 100], [1, 70, 80, 90, 100, 110, 120, 30, 40]]
+MAX_TOKENS = [32, 20, 9]
+
+
+def _record_logits(llm: LLM) -> list[torch.Tensor]:
+    """Every step's logits, recorded as the runner returns them."""
+    runner = llm.engine.runner
+    execute = runner.execute
+    recorded: list[torch.Tensor] = []
+
+    def recording(scheduled: Any) -> ModelOutput:
+        output = execute(scheduled)
+        recorded.append(output.logits.clone())
+        return output
+
+    runner.execute = recording
+    return recorded
+
+
+def _run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
+    recorded = _record_logits(llm)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], recorded
+
+
+def _num_layers(llm: LLM) -> int:
+    return len(llm.engine.runner.layers)
+
+
+def _stats(llm: LLM) -> Any:
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None
+    return compiled.stats
+
+
+def _pass_counts(llm: LLM) -> dict[str, int]:
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None
+    return compiled.passes.counts
+
+
+# (model, layer_impl, use_layer_name, fuse_kv_write_into_attention, mode)
+CASES = [
+    ("bundled", "default", True, True, "model"),
+    ("bundled", "hw-agnostic", True, True, "model"),
+    ("llama", "default", True, True, "model"),
+    ("qwen3", "hw-agnostic", True, True, "model"),
+    ("bundled", "default", False, True, "model"),  # str names, fused: one pattern per layer
+    ("bundled", "default", False, False, "model"),  # str names, unfused: every piece holds its layer's name
+    ("llama", "default", True, False, "model"),  # LayerName, unfused: the write's name is a piece input
+    ("bundled", "default", True, True, "layer"),  # one decoder layer traced once, reused by all
+    ("qwen3", "default", True, False, "layer"),
+    ("bundled", "default", False, False, "layer"),  # str names: each layer its own frame and graph
+]
+Case = tuple[str, str, bool, bool, str]
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tiny_model_dir: Callable[[str], Path], bundled_model_dir: Path
+) -> Iterator[Callable[[Case], dict[str, Any]]]:
+    """`runs(case)` -> eager and compiled tokens, logits and the compiled engine; each case built once."""
+    cache: dict[Case, dict[str, Any]] = {}
+    eager: dict[tuple[str, str, bool], tuple[list[list[int]], list[torch.Tensor]]] = {}
+
+    def get(case: Case) -> dict[str, Any]:
+        if case not in cache:
+            model, layer_impl, use_layer_name, fuse, mode = case
+            folder = str(bundled_model_dir if model == "bundled" else tiny_model_dir(model))
+            kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "layer_impl": layer_impl}
+            if (model, layer_impl, use_layer_name) not in eager:
+                eager_llm = LLM(folder, **kwargs, compilation_config={"use_layer_name": use_layer_name})
+                eager[(model, layer_impl, use_layer_name)] = _run(eager_llm)
+            llm = LLM(
+                folder,
+                **kwargs,
+                compile=True,
+                compilation_config={
+                    "mode": mode,
+                    "use_layer_name": use_layer_name,
+                    "passes": {"fuse_kv_write_into_attention": fuse},
+                    "use_cache": False,
+                },
+            )
+            tokens, logits = _run(llm)
+            eager_tokens, eager_logits = eager[(model, layer_impl, use_layer_name)]
+            cache[case] = {
+                "llm": llm,
+                "tokens": tokens,
+                "logits": logits,
+                "eager_tokens": eager_tokens,
+                "eager_logits": eager_logits,
+            }
+        return cache[case]
+
+    yield get
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_matches_eager_over_32_steps(runs: Callable[..., dict[str, Any]], case: Any) -> None:
+    run = runs(case)
+    assert run["tokens"] == run["eager_tokens"]
+    assert len(run["tokens"][0]) == 32
+    assert len(run["logits"]) == len(run["eager_logits"])
+    for compiled, eager in zip(run["logits"], run["eager_logits"], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_one_dynamo_graph_serves_every_batch_size_and_layer(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    llm = runs(case)["llm"]
+    # Prefill of three prompts, decode batches of 3, 2 and 1: still the first graph(s), no recompilation.
+    # In "layer" mode with str names each layer is its own frame by design: one graph per layer.
+    per_layer_frames = case[4] == "layer" and not case[2]
+    graphs = _num_layers(llm) if per_layer_frames else 1
+    assert _stats(llm).dynamo_graphs == graphs
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
+    assert _stats(llm).dynamo_graphs == graphs
+    pieces_per_graph = 2 if case[4] == "layer" else _num_layers(llm) + 1
+    assert _stats(llm).pieces == graphs * pieces_per_graph
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=lambda c: "-".join(map(str, c)))
+def test_layer_name_compiles_at_most_three_distinct_pieces(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    llm = runs(case)["llm"]
+    assert _stats(llm).distinct_pieces <= 3
+    assert _stats(llm).compiled + _stats(llm).loaded == _stats(llm).distinct_pieces
+
+
+def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str, Any]]) -> None:
+    """With str names the KV write of each piece holds its layer's name as a constant. A piece compiled for
+    one name must never serve another layer (that would write every layer's K/V into one cache and still
+    run): each piece is distinct, and the outputs, which depend on every layer's cache, match eager."""
+    run = runs(("bundled", "default", False, False, "model"))
+    llm = run["llm"]
+    names = llm.apply_model(
+        lambda m: [m_.strata_layer_name for m_ in m.modules() if hasattr(m_, "strata_layer_name")]
+    )
+    assert all(isinstance(name, str) for name in names)
+    assert _stats(llm).distinct_pieces == _num_layers(llm) + 1
+    assert run["tokens"] == run["eager_tokens"]
+
+
+@pytest.mark.parametrize("use_layer_name", [True, False])
+def test_fusion_pass_matches_every_layer(runs: Callable[..., dict[str, Any]], use_layer_name: bool) -> None:
+    run = runs(("bundled", "default", use_layer_name, True, "model"))
+    llm = run["llm"]
+    assert _pass_counts(llm) == {"fuse_kv_write_into_attention": _num_layers(llm)}
+    assert run["tokens"] == run["eager_tokens"]
+    names = llm.apply_model(
+        lambda m: [m_.strata_layer_name for m_ in m.modules() if hasattr(m_, "strata_layer_name")]
+    )
+    assert all(isinstance(name, LayerName) == use_layer_name for name in names)
+
+
+def test_switched_off_pass_does_not_run(runs: Callable[..., dict[str, Any]]) -> None:
+    assert _pass_counts(runs(("bundled", "default", False, False, "model"))["llm"]) == {}
+
+
+def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
+    runs: Callable[..., dict[str, Any]],
+) -> None:
+    """Frame reuse across layers is only sound when the name is an input: with str names every layer must
+    get its own trace (a reused str frame would bake the first layer's name into every layer)."""
+    shared = runs(("bundled", "default", True, True, "layer"))
+    per_layer = runs(("bundled", "default", False, False, "layer"))
+    assert _stats(shared["llm"]).dynamo_graphs == 1
+    assert _stats(per_layer["llm"]).dynamo_graphs == _num_layers(per_layer["llm"])
+    assert shared["tokens"] == per_layer["tokens"] == shared["eager_tokens"]

@@ -1,0 +1,123 @@
+"""The on-disk cache of compiled pieces, and the compilation switches' environment defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from strata import LLM, SamplingParams
+from strata.compilation import backend
+from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
+from strata.config import CompilationConfig, ConfigError
+
+PROMPT = {"prompt_token_ids": [1, 43, 47, 90, 61]}
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+
+
+def _compiled_llm(cache_dir: Path) -> LLM:
+    return LLM(skip_tokenizer_init=True, compile=True, compilation_config={"cache_dir": str(cache_dir)})
+
+
+@pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
+def test_second_start_loads_every_piece_with_zero_inductor_compilations(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = _compiled_llm(tmp_path)
+    expected = first.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    stats = first.engine.runner.compiled.stats  # type: ignore[union-attr]
+    assert stats.compiled == stats.distinct_pieces and stats.loaded == 0
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == stats.distinct_pieces and all(name.endswith(".bin") for name in files)
+
+    misses = counters["inductor"]["fxgraph_cache_miss"]
+    caplog.set_level("INFO", logger="strata.compilation")
+    second = _compiled_llm(tmp_path)
+    assert second.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == expected
+    stats = second.engine.runner.compiled.stats  # type: ignore[union-attr]
+    assert stats.compiled == 0 and stats.loaded == stats.distinct_pieces
+    assert counters["inductor"]["fxgraph_cache_miss"] == misses
+    summary = [r.getMessage() for r in caplog.records if "pieces" in r.getMessage()]
+    assert len(summary) == 1 and f"0 compiled, {stats.distinct_pieces} loaded from cache" in summary[0]
+
+
+def test_disable_compile_cache_env_and_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("STRATA_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("STRATA_DISABLE_COMPILE_CACHE", "1")
+    config = CompilationConfig()
+    assert config.use_cache is False and config.cache_dir == str(tmp_path / "compile")
+    monkeypatch.delenv("STRATA_DISABLE_COMPILE_CACHE")
+    assert CompilationConfig().use_cache is True
+
+
+def test_use_layer_name_is_read_per_engine_not_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The env var only sets the default, read whenever a config is made, so it can change late."""
+    monkeypatch.setenv("STRATA_USE_LAYERNAME", "0")
+    assert CompilationConfig().use_layer_name is False
+    off = LLM(skip_tokenizer_init=True)
+    monkeypatch.setenv("STRATA_USE_LAYERNAME", "1")
+    assert CompilationConfig().use_layer_name is HAS_OPAQUE_TYPE
+    on = LLM(skip_tokenizer_init=True)
+
+    def names(llm: LLM) -> list[Any]:
+        return llm.apply_model(
+            lambda model: [m.strata_layer_name for m in model.modules() if hasattr(m, "strata_layer_name")]
+        )
+
+    assert all(isinstance(name, str) for name in names(off))
+    assert all(isinstance(name, LayerName) == HAS_OPAQUE_TYPE for name in names(on))
+    tokens = [llm.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids for llm in (off, on)]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"use_layer_name": "yes"}, "use_layer_name"),
+        ({"passes": {"no_such_pass": True}}, "passes"),
+        ({"compile_everything": True}, "compilation_config"),
+    ],
+)
+def test_bad_compilation_config_names_the_field(config: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        LLM(skip_tokenizer_init=True, compilation_config=config)
+
+
+class _FailingArtifact:
+    def save(self, *, path: str, format: str) -> None:
+        Path(path).write_bytes(b"partial")
+        raise OSError("disk full")
+
+
+class _Artifact:
+    def save(self, *, path: str, format: str) -> None:
+        Path(path).write_bytes(b"whole")
+
+
+def test_cache_writes_are_atomic(tmp_path: Path) -> None:
+    """Readers see a whole file or none: a failed write leaves nothing, not even its temporary file."""
+    target = tmp_path / "piece.bin"
+    with pytest.raises(OSError, match="disk full"):
+        backend._save_atomically(_FailingArtifact(), target)
+    assert os.listdir(tmp_path) == []
+    backend._save_atomically(_Artifact(), target)
+    backend._save_atomically(_Artifact(), target)  # a second engine finishing the same piece later
+    assert os.listdir(tmp_path) == ["piece.bin"] and target.read_bytes() == b"whole"
+
+
+def test_layer_name_wraps_a_string() -> None:
+    from strata.compilation.layer_name import encode_layer_name, resolve_layer_name
+
+    assert (
+        resolve_layer_name(encode_layer_name("model.layers.0.self_attn", True)) == "model.layers.0.self_attn"
+    )
+    assert encode_layer_name("a", False) == "a"
+    assert LayerName("a") == LayerName("a") and hash(LayerName("a")) == hash(LayerName("a"))
+    assert LayerName("a") != LayerName("b") and LayerName("a") != "a"
+    with pytest.raises(TypeError, match="LayerName value"):
+        LayerName(3)  # type: ignore[arg-type]
+    assert torch.ops.strata.kv_cache_update_str.default._schema.arguments[2].type.str() == "str"
