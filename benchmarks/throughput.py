@@ -8,7 +8,8 @@ machine load hits them alike, and the median of the runs is reported as output t
 An engine is an entry in `ENGINES`: a factory that loads a model folder once and returns a `Generate`
 function timing only the generation itself. Peers (llama.cpp) and variants (compiled, other layers) are
 added as more entries; `--engines strata,strata-hw-agnostic,strata-example-plugin,transformers` compares
-Strata's default layers, its hw-agnostic layers and the example plugin's override in one run.
+Strata's default layers, its hw-agnostic layers and the example plugin's override in one run;
+`--engines strata,strata-compiled` compares eager and compiled decode.
 
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,8,32 --json-out /tmp/throughput.json
 """
@@ -97,8 +98,17 @@ Generate = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
 EngineFactory = Callable[[Path, Limits], Generate]
 
 
-def strata_engine(folder: Path, limits: Limits, layer_impl: str = "default") -> Generate:
-    """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload."""
+def strata_engine(
+    folder: Path,
+    limits: Limits,
+    layer_impl: str = "default",
+    compile: bool = False,
+    compile_mode: str = "model",
+) -> Generate:
+    """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
+
+    With `compile` the forward is compiled when the engine is built (a one-token warm-up), so timed runs
+    measure compiled decode, not compilation."""
     from strata import LLM, SamplingParams
 
     # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
@@ -110,7 +120,11 @@ def strata_engine(folder: Path, limits: Limits, layer_impl: str = "default") -> 
         max_model_len=limits.max_len,
         max_num_seqs=limits.max_batch,
         layer_impl=layer_impl,
+        compile=compile,
+        compilation_config={"mode": compile_mode},
     )
+    if compile:
+        llm.generate({"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -167,6 +181,8 @@ ENGINES: dict[str, EngineFactory] = {
     "strata": strata_engine,
     BASELINE: transformers_engine,
     "strata-hw-agnostic": functools.partial(strata_engine, layer_impl="hw-agnostic"),
+    "strata-compiled": functools.partial(strata_engine, compile=True),
+    "strata-compiled-layer": functools.partial(strata_engine, compile=True, compile_mode="layer"),
     "strata-example-plugin": strata_example_plugin_engine,
 }
 DEFAULT_ENGINES = ("strata", BASELINE)
