@@ -9,9 +9,38 @@ An engine is an entry in `ENGINES`: a factory that loads a model folder once and
 function timing only the generation itself. Peers (llama.cpp) and variants (compiled, other layers) are
 added as more entries; `--engines strata,strata-hw-agnostic,strata-example-plugin,transformers` compares
 Strata's default layers, its hw-agnostic layers and the example plugin's override in one run;
-`--engines strata,strata-compiled` compares eager and compiled decode.
+`--engines strata,strata-compiled` compares eager and compiled decode;
+`--engines strata,strata-bf16,strata-int8` compares float32 weights with bfloat16 and int8 weight-only ones.
 
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,8,32 --json-out /tmp/throughput.json
+
+Roofline. Once per run, before any model loads and with the run's thread count, the script measures the
+machine's memory read bandwidth (best of several `torch.sum` over a 512 MB float32 tensor) and its matmul
+rate (best of several 2048x2048 `torch.mm`, float32 and bfloat16), and records them in the JSON `machine`
+section (`roofline`). Every result row then says how close it came to the two limits:
+- `bw%` (`bw_fraction`), batch-1 decode rows only: `tok/s * weight_bytes / bandwidth`, where `weight_bytes`
+  is what one decode step must read: the weights of every matmul (all parameters but an untied input
+  embedding table, of which a step reads one row) at the engine's weight precision (4 bytes for float32,
+  2 for `strata-bf16`, 1 for `strata-int8`; see `ENGINE_WEIGHT_BYTES`).
+- `flop%` (`flop_fraction`), every row: `tok/s * 2 * params / matmul_rate` (float32 rate), with `params`
+  the same matmul parameters. Attention's own FLOPs are left out, so long prompts read a little low.
+
+Prefill. `--prefill-len N` (default 512; 0 turns it off) times, for each engine, one prompt of N random ids
+that produces a single token: the time is the prompt's forward pass. Engines for it are built again with
+limits of one sequence of N + 1 tokens (after the decode engines are freed), so the decode rows keep their
+own cache sizes. Reported as prompt tokens per second in the `prefill` section, with ratios to the baseline
+in `prefill_ratios`, and in a table of its own.
+
+llama.cpp peer. The `llama.cpp` engine runs llama-cpp-python on an F32 GGUF written from the same folder
+(`write_gguf`, cached as `model-f32.gguf` inside the model folder). It is in the default engines but used
+only when `import llama_cpp` works; otherwise it is skipped with a note on stderr and listed under
+`settings.skipped_engines`. Install it on the benchmark machine from the sdist, built for the host CPU:
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python
+
+llama-cpp-python's `Llama` holds one sequence, so at concurrency C > 1 the llama.cpp row generates the C
+prompts one after another (rows say `"sequential": true`; its tok/s is then total tokens / total time):
+that is what a llama-cpp-python user gets, not llama.cpp server's batched slots.
 """
 
 from __future__ import annotations
@@ -19,12 +48,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
+import importlib.util
 import json
+import math
 import os
 import platform
 import random
 import shutil
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,13 +70,22 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINE = "transformers"
+LLAMA_CPP = "llama.cpp"
 BUILD_SEED = 0
 PROMPT_LEN = 32
+DEFAULT_PREFILL_LEN = 512
 WARMUP_TOKENS = 2
 # Greedy outputs of the engines must agree this far; random weights can have near-ties further on.
 GREEDY_CHECK_TOKENS = 8
 # Prompt ids start above the usual pad/bos/eos ids (0, 1, 2) so no prompt token is special.
 FIRST_PROMPT_ID = 3
+# Roofline measurements: bytes summed for the read bandwidth, matmul size, timed repeats (best is kept) and
+# a time budget per measurement that stops the repeats early on a slow machine.
+ROOFLINE_READ_BYTES = 512 * 2**20
+ROOFLINE_MATMUL_N = 2048
+ROOFLINE_REPEATS = 5
+ROOFLINE_BUDGET_S = 2.0
+GGUF_NAME = "model-f32.gguf"
 
 _COMMON_SHAPE: dict[str, Any] = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 
@@ -79,7 +121,8 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": 256,
-        "max_position_embeddings": 256,
+        # Room for the default 512-token prefill prompt.
+        "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
     },
 }
@@ -104,17 +147,21 @@ def strata_engine(
     layer_impl: str = "default",
     compile: bool = False,
     compile_mode: str = "model",
+    dtype: str = "float32",
+    quantization: str | None = None,
 ) -> Generate:
     """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
 
     With `compile` the forward is compiled when the engine is built (a one-token warm-up), so timed runs
-    measure compiled decode, not compilation."""
+    measure compiled decode, not compilation. `dtype` and `quantization` give the lower-precision variants
+    (the weights are the same float32 folder, converted or quantized as they load)."""
     from strata import LLM, SamplingParams
 
     # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
     llm = LLM(
         model=str(folder),
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         seed=0,
         skip_tokenizer_init=True,
         max_model_len=limits.max_len,
@@ -177,23 +224,80 @@ def strata_example_plugin_engine(folder: Path, limits: Limits) -> Generate:
         unregister_oot("RMSNorm")
 
 
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
+    """llama.cpp through llama-cpp-python on an F32 GGUF of the same weights, greedy from token ids.
+
+    One `Llama` holds one sequence: a batch of prompts is generated one prompt after another."""
+    import llama_cpp
+
+    gguf_path = ensure_gguf(folder)
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(
+        model_path=str(gguf_path),
+        n_ctx=limits.max_len,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=min(512, limits.max_len),
+        logits_all=False,
+        verbose=False,
+    )
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            # No reuse of the previous prompt's cache: every prompt is processed in full.
+            llm.reset()
+            tokens: list[int] = []
+            stream = llm.generate(
+                prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+            )
+            for token in stream:
+                tokens.append(int(token))
+                if len(tokens) == new_tokens:
+                    break
+            stream.close()
+            outputs.append(tokens)
+        seconds = time.perf_counter() - start
+        return seconds, outputs
+
+    return generate
+
+
 ENGINES: dict[str, EngineFactory] = {
     "strata": strata_engine,
     BASELINE: transformers_engine,
+    LLAMA_CPP: llama_cpp_engine,
     "strata-hw-agnostic": functools.partial(strata_engine, layer_impl="hw-agnostic"),
     "strata-compiled": functools.partial(strata_engine, compile=True),
     "strata-compiled-layer": functools.partial(strata_engine, compile=True, compile_mode="layer"),
     "strata-example-plugin": strata_example_plugin_engine,
+    "strata-bf16": functools.partial(strata_engine, dtype="bfloat16"),
+    "strata-int8": functools.partial(strata_engine, quantization="int8"),
 }
-DEFAULT_ENGINES = ("strata", BASELINE)
+DEFAULT_ENGINES = ("strata", BASELINE, LLAMA_CPP)
+# Bytes per matmul weight an engine reads in a decode step (default: the folder's float32). int8's one
+# scale per output row is left out (a few KB); its input embedding stays float but only one row is read.
+ENGINE_WEIGHT_BYTES: dict[str, float] = {"strata-bf16": 2.0, "strata-int8": 1.0}
+# Engines that generate a batch's prompts one after another rather than together.
+SEQUENTIAL_ENGINES = frozenset({LLAMA_CPP})
 
 
 def ensure_model_folder(name: str, model_dir: Path) -> Path:
-    """The saved random-weight model `name` under `model_dir`, built from a fixed seed when missing."""
+    """The saved random-weight model `name` under `model_dir`, built from a fixed seed when missing.
+
+    A cached folder whose config.json disagrees with `MODEL_SHAPES` (an older shape) is rebuilt."""
     folder = model_dir / name
+    shape = MODEL_SHAPES[name]
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
-        return folder
-    config = LlamaConfig(**MODEL_SHAPES[name])
+        saved = json.loads((folder / "config.json").read_text())
+        if all(saved[key] == value for key, value in shape.items() if key in saved):
+            return folder
+    config = LlamaConfig(**shape)
     torch.manual_seed(BUILD_SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Build beside the target and rename, so an interrupted build never leaves a folder that looks complete.
@@ -206,10 +310,160 @@ def ensure_model_folder(name: str, model_dir: Path) -> Path:
     return folder
 
 
-def make_prompts(count: int, vocab_size: int, tag: str) -> list[list[int]]:
-    """`count` prompts of PROMPT_LEN random ids, the same for every engine and every run with this tag."""
+def _safetensors_shapes(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from a safetensors file's JSON header, without reading the tensors."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {name: (t["dtype"], t["shape"]) for name, t in header.items() if name != "__metadata__"}
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "F64": 8, "I32": 4, "I64": 8}
+
+
+def model_weights(folder: Path) -> dict[str, int]:
+    """Parameter and byte counts of a model folder, from its safetensors header and config.
+
+    `params` and `bytes` count every stored tensor; `matmul_params` and `matmul_bytes` leave out an untied
+    input embedding table (a token reads one row of it), so they are what one decode step multiplies by and
+    reads. A tied table is stored once and counted once, as the LM head."""
+    config = json.loads((folder / "config.json").read_text())
+    shapes = _safetensors_shapes(folder / "model.safetensors")
+    params = total_bytes = matmul_params = matmul_bytes = 0
+    for name, (dtype, shape) in shapes.items():
+        count = math.prod(shape)
+        nbytes = count * _DTYPE_BYTES[dtype]
+        params += count
+        total_bytes += nbytes
+        if name == "model.embed_tokens.weight" and not config.get("tie_word_embeddings", False):
+            continue
+        matmul_params += count
+        matmul_bytes += nbytes
+    return {
+        "params": params,
+        "bytes": total_bytes,
+        "matmul_params": matmul_params,
+        "matmul_bytes": matmul_bytes,
+    }
+
+
+# HF Llama name suffix -> GGUF (llama.cpp) name suffix; the inverse of strata.converters.gguf's mapping.
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# The placeholder vocabulary's special ids (prompts are token ids, so no piece is ever looked up by text).
+_GGUF_UNK, _GGUF_BOS, _GGUF_EOS = 0, 1, 2
+
+
+def _gguf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        base, suffix = ".".join(parts[3:-1]), parts[-1]
+        if base in _GGUF_LAYER_NAMES:
+            return f"blk.{int(parts[2])}.{_GGUF_LAYER_NAMES[base]}.{suffix}"
+    raise ValueError(f"tensor {name!r} has no llama.cpp counterpart")
+
+
+def rope_half_to_interleaved(weight: Any, n_heads: int) -> Any:
+    """Reorder Q/K rows from HF Llama's rotate_half layout to llama.cpp's adjacent-pair rotary layout.
+
+    The inverse of `strata.converters.hf_folder.rope_interleaved_to_half` (llama.cpp's own HF converter
+    does the same `permute`): per head, rows (x0, x1, ..., y0, y1, ...) become (x0, y0, x1, y1, ...)."""
+    rows, cols = weight.shape
+    return weight.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(folder: Path, out_path: Path) -> Path:
+    """Write the HF Llama folder's weights as an F32 llama-architecture GGUF at `out_path`; returns it.
+
+    The vocabulary is a placeholder of the model's size ("<t{i}>" pieces, SentencePiece "llama" type, ids
+    0/1/2 unknown/BOS/EOS) since the benchmark's prompts are token ids."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = LlamaConfig.from_pretrained(folder)
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{folder}: RoPE scaling {rope.get('rope_type')!r} is not supported")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n_heads, n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    tensors = load_file(folder / "model.safetensors")
+
+    writer = gguf.GGUFWriter(out_path, "llama")
+    writer.add_name(folder.name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    special = {
+        _GGUF_UNK: gguf.TokenType.UNKNOWN,
+        _GGUF_BOS: gguf.TokenType.CONTROL,
+        _GGUF_EOS: gguf.TokenType.CONTROL,
+    }
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"<t{i}>" for i in range(config.vocab_size)])
+    writer.add_token_scores([0.0] * config.vocab_size)
+    writer.add_token_types([special.get(i, gguf.TokenType.NORMAL) for i in range(config.vocab_size)])
+    writer.add_unk_token_id(_GGUF_UNK)
+    writer.add_bos_token_id(_GGUF_BOS)
+    writer.add_eos_token_id(_GGUF_EOS)
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+    rope_heads = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv_heads}
+    for name, array in tensors.items():
+        array = array.astype("float32", copy=False)
+        heads = rope_heads.get(name.split(".", 3)[-1]) if name.startswith("model.layers.") else None
+        if heads is not None:
+            array = rope_half_to_interleaved(array, heads)
+        writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def ensure_gguf(folder: Path) -> Path:
+    """The folder's F32 GGUF, written once beside its weights (a rebuilt folder drops it with the rest)."""
+    path = folder / GGUF_NAME
+    if not path.is_file():
+        partial = folder / f".{GGUF_NAME}.partial"
+        write_gguf(folder, partial)
+        partial.rename(path)
+    return path
+
+
+def make_prompts(count: int, vocab_size: int, tag: str, length: int = PROMPT_LEN) -> list[list[int]]:
+    """`count` prompts of `length` random ids, the same for every engine and every run with this tag."""
     rng = random.Random(tag)
-    return [[rng.randrange(FIRST_PROMPT_ID, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(count)]
+    return [[rng.randrange(FIRST_PROMPT_ID, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
 def cpu_model() -> str:
@@ -238,6 +492,75 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _best_seconds(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
+    """Shortest of up to `repeats` timed calls after one untimed one, stopping once `budget_s` is spent."""
+    fn()
+    best = math.inf
+    deadline = time.perf_counter() + budget_s
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def measure_roofline(
+    read_bytes: int = ROOFLINE_READ_BYTES,
+    matmul_n: int = ROOFLINE_MATMUL_N,
+    repeats: int = ROOFLINE_REPEATS,
+    budget_s: float = ROOFLINE_BUDGET_S,
+) -> dict[str, Any]:
+    """Memory read bandwidth and float32/bfloat16 matmul rates measured now, with torch's current threads.
+
+    Best of several runs, since neighbours only ever make a run slower."""
+    with torch.inference_mode():
+        data = torch.ones(read_bytes // 4, dtype=torch.float32)
+        read_s = _best_seconds(lambda: data.sum(), repeats, budget_s)
+        del data
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(matmul_n, matmul_n, generator=generator)
+        b = torch.randn(matmul_n, matmul_n, generator=generator)
+        fp32_s = _best_seconds(lambda: torch.mm(a, b), repeats, budget_s)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        bf16_s = _best_seconds(lambda: torch.mm(a16, b16), repeats, budget_s)
+    flops = 2 * matmul_n**3
+    return {
+        "threads": torch.get_num_threads(),
+        "memory_read_gb_s": read_bytes / read_s / 1e9,
+        "matmul_fp32_gflop_s": flops / fp32_s / 1e9,
+        "matmul_bf16_gflop_s": flops / bf16_s / 1e9,
+        "read_bytes": read_bytes,
+        "matmul_n": matmul_n,
+    }
+
+
+def _limit_fields(
+    engine: str, weights: dict[str, int], roofline: dict[str, Any], tokens_per_s: float, decode_batch1: bool
+) -> dict[str, Any]:
+    """params, weight_bytes and the fractions of the bandwidth (batch-1 decode only) and compute limits."""
+    params = weights["matmul_params"]
+    weight_bytes = params * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
+    bandwidth = roofline["memory_read_gb_s"] * 1e9
+    return {
+        "params": params,
+        "weight_bytes": int(weight_bytes),
+        "bw_fraction": tokens_per_s * weight_bytes / bandwidth if decode_batch1 else None,
+        "flop_fraction": tokens_per_s * 2 * params / (roofline["matmul_fp32_gflop_s"] * 1e9),
+    }
+
+
+def _build_runners(engines: Sequence[str], folder: Path, limits: Limits) -> dict[str, Generate]:
+    return {name: ENGINES[name](folder, limits) for name in engines}
+
+
+def _release(runners: dict[str, Generate]) -> None:
+    """Drop the engines (and the memory their models and caches hold) before the next ones load."""
+    runners.clear()
+    gc.collect()
+
+
 def bench_model(
     model: str,
     folder: Path,
@@ -245,11 +568,15 @@ def bench_model(
     concurrencies: Sequence[int],
     new_tokens: int,
     repeats: int,
+    roofline: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Result rows and ratio rows of one model, every engine loaded once and reused for every concurrency."""
+    """Result rows and ratio rows of one model, every engine loaded once and reused for every concurrency.
+
+    With a `roofline`, rows also carry the model's params and weight bytes and the fractions of the limits."""
     limits = Limits(max_batch=max(concurrencies), max_len=PROMPT_LEN + new_tokens)
-    runners = {name: ENGINES[name](folder, limits) for name in engines}
+    runners = _build_runners(engines, folder, limits)
     vocab_size = MODEL_SHAPES[model]["vocab_size"]
+    weights = model_weights(folder)
     results: list[dict[str, Any]] = []
     ratios: list[dict[str, Any]] = []
     for concurrency in concurrencies:
@@ -280,16 +607,19 @@ def bench_model(
                 first_outputs.setdefault(name, token_ids)
         for name in engines:
             median = statistics.median(runs[name])
-            results.append(
-                {
-                    "model": model,
-                    "concurrency": concurrency,
-                    "engine": name,
-                    "tokens_per_s": concurrency * new_tokens / median,
-                    "median_s": median,
-                    "runs_s": runs[name],
-                }
-            )
+            row: dict[str, Any] = {
+                "model": model,
+                "concurrency": concurrency,
+                "engine": name,
+                "tokens_per_s": concurrency * new_tokens / median,
+                "median_s": median,
+                "runs_s": runs[name],
+            }
+            if name in SEQUENTIAL_ENGINES:
+                row["sequential"] = True
+            if roofline is not None:
+                row.update(_limit_fields(name, weights, roofline, row["tokens_per_s"], concurrency == 1))
+            results.append(row)
         if BASELINE not in engines:
             continue
         baseline_s = statistics.median(runs[BASELINE])
@@ -313,35 +643,127 @@ def bench_model(
                         file=sys.stderr,
                     )
             ratios.append(ratio)
+    _release(runners)
     return results, ratios
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """One line per (model, concurrency): tokens/s of every engine, then each engine's ratio to the baseline."""
-    engines = report["settings"]["engines"]
-    compared = [name for name in engines if name != BASELINE] if BASELINE in engines else []
-    ratio_headers = ["ratio"] if len(compared) == 1 else [f"{name}/{BASELINE}" for name in compared]
-    header = ["model", "concurrency", *(f"{name} tok/s" for name in engines), *ratio_headers]
-    tok_s = {(r["model"], r["concurrency"], r["engine"]): r["tokens_per_s"] for r in report["results"]}
-    ratio = {(r["model"], r["concurrency"], r["engine"]): r["ratio"] for r in report["ratios"]}
-    keys = list(dict.fromkeys((r["model"], r["concurrency"]) for r in report["results"]))
-    lines = [
-        [
-            model,
-            str(concurrency),
-            *(f"{tok_s[model, concurrency, name]:.1f}" for name in engines),
-            *(f"{ratio[model, concurrency, name]:.2f}" for name in compared),
+def bench_prefill(
+    model: str,
+    folder: Path,
+    engines: Sequence[str],
+    prefill_len: int,
+    repeats: int,
+    roofline: dict[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Prefill rows and ratio rows of one model: one prompt of `prefill_len` ids producing one token.
+
+    The engines are built for exactly that sequence (one prompt of prefill_len + 1 tokens)."""
+    max_positions = MODEL_SHAPES[model]["max_position_embeddings"]
+    if prefill_len + 1 > max_positions:
+        raise ValueError(
+            f"{model}: a prefill of {prefill_len} tokens plus one generated exceeds its "
+            f"max_position_embeddings {max_positions}"
+        )
+    runners = _build_runners(engines, folder, Limits(max_batch=1, max_len=prefill_len + 1))
+    vocab_size = MODEL_SHAPES[model]["vocab_size"]
+    weights = model_weights(folder)
+    warmup = make_prompts(1, vocab_size, f"prefill:{prefill_len}:warmup", prefill_len)
+    for generate in runners.values():
+        generate(warmup, 1)
+    runs: dict[str, list[float]] = {name: [] for name in engines}
+    first_token: dict[str, int] = {}
+    for repeat in range(repeats):
+        prompts = make_prompts(1, vocab_size, f"prefill:{prefill_len}:{repeat}", prefill_len)
+        order = list(engines) if repeat % 2 == 0 else list(reversed(engines))
+        for name in order:
+            seconds, token_ids = runners[name](prompts, 1)
+            if len(token_ids) != 1 or len(token_ids[0]) != 1:
+                raise RuntimeError(f"{name} returned {token_ids!r} for one prompt of one new token")
+            runs[name].append(seconds)
+            print(
+                f"{model} prefill={prefill_len} {name} run {repeat + 1}/{repeats}: {seconds:.3f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            first_token.setdefault(name, token_ids[0][0])
+    _release(runners)
+    rows: list[dict[str, Any]] = []
+    for name in engines:
+        median = statistics.median(runs[name])
+        row: dict[str, Any] = {
+            "model": model,
+            "engine": name,
+            "prompt_len": prefill_len,
+            "prompt_tokens_per_s": prefill_len / median,
+            "median_s": median,
+            "runs_s": runs[name],
+        }
+        if roofline is not None:
+            limit = _limit_fields(name, weights, roofline, row["prompt_tokens_per_s"], decode_batch1=False)
+            row.update({key: limit[key] for key in ("params", "flop_fraction")})
+        rows.append(row)
+    ratios: list[dict[str, Any]] = []
+    if BASELINE in engines:
+        baseline_s = statistics.median(runs[BASELINE])
+        ratios = [
+            {
+                "model": model,
+                "engine": name,
+                "baseline": BASELINE,
+                "prompt_len": prefill_len,
+                "ratio": baseline_s / statistics.median(runs[name]),
+                "greedy_match": first_token[name] == first_token[BASELINE],
+            }
+            for name in engines
+            if name != BASELINE
         ]
-        for model, concurrency in keys
-    ]
+    return rows, ratios
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _render(header: list[str], lines: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
     rendered = [
-        " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        " | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in [header, *lines]
     ]
     rendered.insert(1, "-+-".join("-" * width for width in widths))
+    return rendered
+
+
+def format_roofline(roofline: dict[str, Any]) -> str:
+    return (
+        f"roofline ({roofline['threads']} threads): memory read {roofline['memory_read_gb_s']:.1f} GB/s, "
+        f"fp32 matmul {roofline['matmul_fp32_gflop_s']:.0f} GFLOP/s, "
+        f"bf16 matmul {roofline['matmul_bf16_gflop_s']:.0f} GFLOP/s"
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """One line per (model, concurrency, engine): tok/s, the ratio to the baseline and the limit fractions.
+
+    `bw%` is the share of the memory-bandwidth limit (batch-1 decode only), `flop%` of the fp32 compute one.
+    A prefill table follows when the report has prefill rows."""
+    ratio = {(r["model"], r["concurrency"], r["engine"]): r["ratio"] for r in report["ratios"]}
+    vs = f"vs {BASELINE}"
+    lines = [
+        [
+            r["model"],
+            str(r["concurrency"]),
+            r["engine"] + (" (seq)" if r.get("sequential") and r["concurrency"] > 1 else ""),
+            f"{r['tokens_per_s']:.1f}",
+            f"{ratio[key]:.2f}" if (key := (r["model"], r["concurrency"], r["engine"])) in ratio else "-",
+            _percent(r.get("bw_fraction")),
+            _percent(r.get("flop_fraction")),
+        ]
+        for r in report["results"]
+    ]
+    rendered = _render(["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%"], lines)
     checks = [
-        f"{r['model']}: {'match' if r['greedy_match'] else 'MISMATCH'}"
+        f"{r['model']} {r['engine']}: {'match' if r['greedy_match'] else 'MISMATCH'}"
         for r in report["ratios"]
         if "greedy_match" in r
     ]
@@ -349,6 +771,26 @@ def format_table(report: dict[str, Any]) -> str:
         rendered.append(
             f"greedy ids, first {GREEDY_CHECK_TOKENS} tokens at concurrency 1: " + ", ".join(checks)
         )
+    if any(r.get("sequential") and r["concurrency"] > 1 for r in report["results"]):
+        rendered.append("(seq): the engine generates the batch's prompts one after another")
+    prefill = report.get("prefill") or []
+    if prefill:
+        prefill_ratio = {(r["model"], r["engine"]): r["ratio"] for r in report.get("prefill_ratios", [])}
+        prefill_lines = [
+            [
+                r["model"],
+                str(r["prompt_len"]),
+                r["engine"],
+                f"{r['prompt_tokens_per_s']:.1f}",
+                f"{prefill_ratio[r['model'], r['engine']]:.2f}"
+                if (r["model"], r["engine"]) in prefill_ratio
+                else "-",
+                _percent(r.get("flop_fraction")),
+            ]
+            for r in prefill
+        ]
+        rendered.append("")
+        rendered.extend(_render(["model", "prompt", "engine", "prompt tok/s", vs, "flop%"], prefill_lines))
     return "\n".join(rendered)
 
 
@@ -384,13 +826,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--engines",
         type=lambda text: _name_list(text, list(ENGINES)),
         default=list(DEFAULT_ENGINES),
-        help=f"comma-separated, from {', '.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)})",
+        help=f"comma-separated, from {', '.join(ENGINES)} (default: {','.join(DEFAULT_ENGINES)}; "
+        f"{LLAMA_CPP} is skipped with a note when llama_cpp is not installed)",
     )
     parser.add_argument(
         "--concurrency", type=_int_list, default=[1, 8, 32], help="prompts per batch (default: 1,8,32)"
     )
     parser.add_argument(
         "--new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)"
+    )
+    parser.add_argument(
+        "--prefill-len",
+        type=int,
+        default=DEFAULT_PREFILL_LEN,
+        help=f"prompt length of the prefill measurement; 0 turns it off (default: {DEFAULT_PREFILL_LEN})",
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per engine; the median is reported"
@@ -410,6 +859,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         value = getattr(args, option)
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    if args.prefill_len < 0:
+        parser.error(f"--prefill-len must be 0 (off) or positive, got {args.prefill_len}")
+    for model in args.models:
+        max_positions = MODEL_SHAPES[model]["max_position_embeddings"]
+        if args.prefill_len + 1 > max_positions:
+            parser.error(
+                f"--prefill-len {args.prefill_len} plus one generated token exceeds {model}'s "
+                f"max_position_embeddings {max_positions}"
+            )
     return args
 
 
@@ -419,28 +877,67 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("STRATA_PLUGINS", "")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    engines = list(args.engines)
+    skipped: dict[str, str] = {}
+    if LLAMA_CPP in engines and not llama_cpp_available():
+        engines.remove(LLAMA_CPP)
+        skipped[LLAMA_CPP] = "llama_cpp is not importable (see the module docstring to install it)"
+        print(f"note: skipping {LLAMA_CPP}: {skipped[LLAMA_CPP]}", file=sys.stderr, flush=True)
+    if not engines:
+        print("error: no engine left to run", file=sys.stderr)
+        return 2
+    roofline = measure_roofline()
+    print(format_roofline(roofline), file=sys.stderr, flush=True)
     report: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": {**machine_info(), "roofline": roofline},
         "settings": {
-            "engines": args.engines,
+            "engines": engines,
+            "skipped_engines": skipped,
             "prompt_len": PROMPT_LEN,
             "new_tokens": args.new_tokens,
+            "prefill_len": args.prefill_len,
             "repeats": args.repeats,
             "dtype": "float32",
         },
+        "models": {},
         "results": [],
         "ratios": [],
+        "prefill": [],
+        "prefill_ratios": [],
     }
     for model in args.models:
         folder = ensure_model_folder(model, args.model_dir)
+        weights = model_weights(folder)
+        report["models"][model] = {
+            **weights,
+            # Batch-1 decode can go no faster than reading the matmul weights once per token.
+            "fp32_bandwidth_limit_tok_s": roofline["memory_read_gb_s"] * 1e9 / weights["matmul_bytes"],
+            "fp32_compute_limit_tok_s": roofline["matmul_fp32_gflop_s"]
+            * 1e9
+            / (2 * weights["matmul_params"]),
+        }
         results, ratios = bench_model(
-            model, folder, args.engines, args.concurrency, args.new_tokens, args.repeats
+            model, folder, engines, args.concurrency, args.new_tokens, args.repeats, roofline
         )
         report["results"].extend(results)
         report["ratios"].extend(ratios)
+        if args.prefill_len:
+            rows, prefill_ratios = bench_prefill(
+                model, folder, engines, args.prefill_len, args.repeats, roofline
+            )
+            report["prefill"].extend(rows)
+            report["prefill_ratios"].extend(prefill_ratios)
     report["machine"]["load_average_end"] = list(os.getloadavg())
     text = json.dumps(report, indent=2)
     print(text)
+    print()
+    print(format_roofline(roofline))
+    for model, info in report["models"].items():
+        print(
+            f"{model}: {info['matmul_params'] / 1e6:.1f}M matmul params, {info['matmul_bytes'] / 1e6:.0f} MB fp32 "
+            f"per token: bandwidth limit {info['fp32_bandwidth_limit_tok_s']:.0f} tok/s at batch 1, "
+            f"compute limit {info['fp32_compute_limit_tok_s']:.0f} tok/s"
+        )
     print()
     print(format_table(report))
     if args.json_out is not None:

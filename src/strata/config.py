@@ -30,6 +30,13 @@ class ConfigError(ValueError):
     """A configuration value the user gave is not allowed."""
 
 
+# Weight quantization methods `ModelConfig.quantization` accepts (None: the checkpoint's floats as they are).
+QUANTIZATION_METHODS = ("int8",)
+# `quant_method` of config.json's `quantization_config` in folders whose Linear weights are stored as int8
+# (`strata convert gguf --keep-quantized`); such folders load with quantization="int8".
+INT8_QUANT_METHOD = "strata_int8"
+
+
 def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -52,9 +59,30 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     return _DTYPES[dtype]
 
 
+def _resolve_quantization(quantization: str | None, checkpoint_config: Any, folder: str) -> str | None:
+    """The user's choice, checked; a folder stored quantized (`quantization_config`) turns int8 on itself."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, got {quantization!r}"
+        )
+    if checkpoint_config is None:
+        return quantization
+    method = checkpoint_config.get("quant_method") if isinstance(checkpoint_config, dict) else None
+    if method != INT8_QUANT_METHOD:
+        raise ConfigError(
+            f"model folder {folder!r} is quantized with quant_method {method!r}; Strata loads only "
+            f"{INT8_QUANT_METHOD!r} checkpoints (from `strata convert gguf --keep-quantized`) or float ones"
+        )
+    return "int8"
+
+
 @dataclass
 class ModelConfig:
-    """Which model to run and how: the folder, dtype and context length."""
+    """Which model to run and how: the folder, dtype, context length and weight quantization.
+
+    `quantization="int8"` replaces the model's Linear layers with int8 weight-only ones, quantized per output
+    channel from the checkpoint's weights as they load; a folder stored quantized sets it by itself.
+    """
 
     model: str
     tokenizer: str | None = None
@@ -62,6 +90,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     skip_tokenizer_init: bool = False
+    quantization: str | None = None
     hf_config: Any = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -85,6 +114,9 @@ class ModelConfig:
             self.hf_config, "torch_dtype", None
         )
         self.torch_dtype = resolve_dtype(self.dtype, checkpoint_dtype)
+        self.quantization = _resolve_quantization(
+            self.quantization, getattr(self.hf_config, "quantization_config", None), self.model
+        )
         limit = getattr(text_config, "max_position_embeddings", None)
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
         if self.max_model_len is None:
@@ -223,6 +255,9 @@ class CompilationConfig:
     STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
     decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for all, so
     compile time is flat in depth (embedding and head stay eager; decode pays a guard check per layer).
+    `evaluate_guards` keeps Dynamo's guard checks on every call after the first trace; off, they are
+    skipped (nothing they check changes within an engine), which saves about a millisecond a step. Tests
+    turn it on to prove that no batch size would have recompiled.
     """
 
     compile: bool | None = None
@@ -231,6 +266,7 @@ class CompilationConfig:
     passes: dict[str, bool] = field(default_factory=dict)
     cache_dir: str | None = None
     use_cache: bool | None = None
+    evaluate_guards: bool = False
 
     def __post_init__(self) -> None:
         from strata.compilation.layer_name import HAS_OPAQUE_TYPE
@@ -243,7 +279,7 @@ class CompilationConfig:
             self.use_cache = not envs.disable_compile_cache()
         if self.cache_dir is None:
             self.cache_dir = str(Path(envs.cache_root()) / "compile")
-        for name in ("compile", "use_layer_name", "use_cache"):
+        for name in ("compile", "use_layer_name", "use_cache", "evaluate_guards"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in COMPILE_MODES:

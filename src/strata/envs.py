@@ -76,3 +76,8 @@ def cache_root() -> str:
 def disable_compile_cache() -> bool:
     """STRATA_DISABLE_COMPILE_CACHE=1: compile from scratch every start and write nothing to disk."""
     return _get_bool("STRATA_DISABLE_COMPILE_CACHE", False)
+
+
+def disable_cpu_kernels() -> bool:
+    """STRATA_DISABLE_CPU_KERNELS=1: never build or use Strata's C++ CPU kernels (ATen everywhere)."""
+    return _get_bool("STRATA_DISABLE_CPU_KERNELS", False)

@@ -36,6 +36,7 @@ def _expected_providers(layer_impl: str) -> dict[str, str]:
         "gemma_rms_norm": norm,
         "silu_and_mul": norm,
         "gelu_and_mul": norm,
+        "linear": norm,
         "glu_mlp": "default",
     }
 
@@ -106,8 +107,8 @@ def test_env_default_and_start_log(
     assert llm.engine.config.layer_config.layer_impl == "hw-agnostic"
     assert {row["provider"] for row in llm.layer_providers()} == {"hw-agnostic", "default"}
     assert (
-        "layers (layer_impl=hw-agnostic): 21 replaced; by provider: default 5, hw-agnostic 16; "
-        "by op: glu_mlp 5, rms_norm 11, silu_and_mul 5" in caplog.messages
+        "layers (layer_impl=hw-agnostic): 52 replaced; by provider: default 5, hw-agnostic 47; "
+        "by op: glu_mlp 5, linear 31, rms_norm 11, silu_and_mul 5" in caplog.messages
     )
     explicit = LLM(str(bundled_model_dir), max_model_len=32, max_num_seqs=1, layer_impl="default")
     assert {row["provider"] for row in explicit.layer_providers()} == {"default"}

@@ -22,9 +22,15 @@ def test_layers_table_totals_and_verify(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "layer_impl: default" in out
     assert "model.layers.0.input_layernorm" in out and "strata.layers.layernorm.RMSNorm" in out
-    assert "total: 21 replaced; by provider: default 21; by op: glu_mlp 5, rms_norm 11, silu_and_mul 5" in out
+    assert (
+        "total: 52 replaced; by provider: default 52; by op: glu_mlp 5, linear 31, rms_norm 11, silu_and_mul 5"
+        in out
+    )
     verify = out.split("max_abs_diff", 1)[1]
     assert "rms_norm      11       0" in verify and "silu_and_mul  5        0" in verify
+    # Strata's CPU linear kernel sums in another order than ATen: equal up to float32 rounding.
+    linear_row = next(line.split() for line in verify.splitlines() if line.startswith("linear"))
+    assert linear_row[1] == "31" and float(linear_row[2]) < 1e-5
 
 
 def test_layers_hw_agnostic_and_custom_ops(
@@ -34,8 +40,8 @@ def test_layers_hw_agnostic_and_custom_ops(
     assert main(["layers", "--model", folder, "--layer-impl", "hw-agnostic", "--custom-ops", "none"]) == 0
     out = capsys.readouterr().out
     assert (
-        "total: 25 replaced; by provider: default 3, hw-agnostic 22; by op: gelu_and_mul 3, gemma_rms_norm 19, glu_mlp 3"
-        in out
+        "total: 44 replaced; by provider: default 3, hw-agnostic 41; "
+        "by op: gelu_and_mul 3, gemma_rms_norm 19, glu_mlp 3, linear 19" in out
     )
     assert "forward_cpu" not in out
     assert main(["layers", "--custom-ops", "all,none"]) == 2

@@ -15,7 +15,7 @@ def _run_llama2c(args: argparse.Namespace) -> int:
 
 
 def _run_gguf(args: argparse.Namespace) -> int:
-    out = convert_gguf(args.file, args.out, overwrite=args.force)
+    out = convert_gguf(args.file, args.out, overwrite=args.force, keep_quantized=args.keep_quantized)
     print(f"wrote {out}")
     return 0
 
@@ -34,6 +34,12 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
 
     gguf = formats.add_parser("gguf", help="llama-architecture GGUF file (F32, F16, BF16 or Q8_0 tensors)")
     gguf.add_argument("file", help="the .gguf file")
+    gguf.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep Q8_0 weights as int8 with their block scales (a quarter of float32's size; Strata loads "
+        "the folder with --quantization int8, plain transformers cannot); default: float32, like the source",
+    )
     gguf.set_defaults(func=_run_gguf)
 
     for parser in (llama2c, gguf):

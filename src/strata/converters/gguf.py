@@ -2,6 +2,11 @@
 
 Parsing is the `gguf` package's `GGUFReader`; this module only turns its generic failures (reshape and dtype
 errors from deep inside numpy) into `ConversionError`s that say what is wrong with which file.
+
+By default every tensor is written as float32, so plain `transformers` loads the folder. With
+`keep_quantized`, Q8_0 Linear weights stay int8 on disk (`<x>.qweight` int8 plus `<x>.qscale`, the
+float16 scale of each block of 32), a quarter of the bytes, and config.json gets a `quantization_config`
+that makes Strata load the folder with `quantization="int8"` (transformers cannot load it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
+from strata.config import INT8_QUANT_METHOD
 from strata.converters.errors import ConversionError
 from strata.converters.hf_folder import LlamaSpec, TensorSource, rope_interleaved_to_half, write_hf_folder
 from strata.converters.sentencepiece_bpe import PieceType, SentencePieceVocab
@@ -38,6 +44,11 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Q8_0 block: a float16 scale, then 32 int8 values.
+_Q8_0_BLOCK = 32
+_Q8_0_BYTES = 2 + _Q8_0_BLOCK
+# The one matrix that is not a Linear weight, so --keep-quantized writes it as float32.
+_EMBEDDING = "model.embed_tokens.weight"
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -212,8 +223,29 @@ def _load(
     return array if rope_heads is None else rope_interleaved_to_half(array, rope_heads)
 
 
-def convert_gguf(path: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Convert a llama-architecture GGUF file into a Hugging Face Llama folder; returns it."""
+def _q8_0_parts(data: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The int8 values (`shape`) and float16 block scales (`[rows, cols / 32]`) of raw Q8_0 data."""
+    blocks = np.ascontiguousarray(data).reshape(-1, _Q8_0_BYTES)
+    rows, cols = shape
+    scales = blocks[:, :2].copy().view(np.float16).reshape(rows, cols // _Q8_0_BLOCK)
+    return blocks[:, 2:].copy().view(np.int8).reshape(rows, cols), scales
+
+
+def _load_q8_0_part(
+    data: np.ndarray, shape: tuple[int, ...], rope_heads: int | None, part: int
+) -> np.ndarray:
+    """Part 0 (int8 values) or 1 (block scales) of a Q8_0 tensor, rows reordered like `_load`'s."""
+    array = _q8_0_parts(data, shape)[part]
+    return array if rope_heads is None else rope_interleaved_to_half(array, rope_heads)
+
+
+def convert_gguf(
+    path: str | Path, out_dir: str | Path, overwrite: bool = False, keep_quantized: bool = False
+) -> Path:
+    """Convert a llama-architecture GGUF file into a Hugging Face Llama folder; returns it.
+
+    `keep_quantized` keeps Q8_0 Linear weights as int8 with their block scales (see the module docstring).
+    """
     path = Path(path)
     reader = _open(path)
     meta = _Metadata(path, reader)
@@ -266,7 +298,27 @@ def convert_gguf(path: str | Path, out_dir: str | Path, overwrite: bool = False)
         name = _hf_name(path, tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         heads = rope_heads.get(name.split(".", 3)[-1]) if name.startswith("model.layers.") else None
+        if keep_quantized and tensor.tensor_type == GGMLQuantizationType.Q8_0 and name != _EMBEDDING:
+            if len(shape) != 2 or shape[1] % _Q8_0_BLOCK:
+                raise ConversionError(
+                    f"{path.name}: Q8_0 tensor {tensor.name!r} of shape {list(shape)} does not split its rows "
+                    f"into blocks of {_Q8_0_BLOCK}"
+                )
+            base = name.removesuffix(".weight")
+            part = functools.partial(_load_q8_0_part, tensor.data, shape, heads)
+            tensors[f"{base}.qweight"] = TensorSource(shape, functools.partial(part, 0), "I8")
+            scales_shape = (shape[0], shape[1] // _Q8_0_BLOCK)
+            tensors[f"{base}.qscale"] = TensorSource(scales_shape, functools.partial(part, 1), "F16")
+            continue
         tensors[name] = TensorSource(
             shape, functools.partial(_load, tensor.data, tensor.tensor_type, shape, heads)
         )
-    return write_hf_folder(Path(out_dir), spec, tensors, vocab, overwrite=overwrite)
+    quantized = any(name.endswith(".qweight") for name in tensors)
+    quantization_config = (
+        {"quant_method": INT8_QUANT_METHOD, "bits": 8, "group_size": _Q8_0_BLOCK, "source": "gguf Q8_0"}
+        if quantized
+        else None
+    )
+    return write_hf_folder(
+        Path(out_dir), spec, tensors, vocab, overwrite=overwrite, quantization_config=quantization_config
+    )

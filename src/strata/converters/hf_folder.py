@@ -14,6 +14,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -124,12 +125,17 @@ class LlamaSpec:
         return config
 
 
+# safetensors dtype name -> the little-endian numpy dtype its data is written as.
+_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "I8": "i1"}
+
+
 @dataclass(frozen=True)
 class TensorSource:
-    """One HF tensor: its shape (known without reading data) and how to produce it as float32."""
+    """One HF tensor: its shape (known without reading data), how to produce it, and its safetensors dtype."""
 
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    dtype: str = "F32"
 
 
 def rope_interleaved_to_half(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -153,13 +159,13 @@ def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _write_safetensors(path: Path, tensors: dict[str, TensorSource], source: str) -> None:
-    """Stream float32 tensors into a safetensors file: JSON header with offsets, then raw little-endian data."""
+    """Stream tensors into a safetensors file: JSON header with offsets, then raw little-endian data."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in tensors.items():
-        nbytes = 4 * math.prod(tensor.shape)
+        nbytes = np.dtype(_SAFETENSORS_DTYPES[tensor.dtype]).itemsize * math.prod(tensor.shape)
         header[name] = {
-            "dtype": "F32",
+            "dtype": tensor.dtype,
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -178,12 +184,28 @@ def _write_safetensors(path: Path, tensors: dict[str, TensorSource], source: str
                 disable=offset < _PROGRESS_MIN_BYTES,
             )
             for name, tensor in bar:
-                array = np.ascontiguousarray(tensor.load(), dtype="<f4")
+                array = np.ascontiguousarray(tensor.load(), dtype=_SAFETENSORS_DTYPES[tensor.dtype])
                 assert array.shape == tensor.shape, (name, array.shape, tensor.shape)
                 f.write(array.data)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _with_quantized(
+    expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorSource], group_size: int
+) -> dict[str, tuple[int, ...]]:
+    """`expected` with each `<x>.weight` that `tensors` holds as `<x>.qweight` replaced by its int8 weight
+    and its per-group scales (see `strata.models.transformers.quantization` for the format)."""
+    result: dict[str, tuple[int, ...]] = {}
+    for name, shape in expected.items():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and f"{base}.qweight" in tensors:
+            result[f"{base}.qweight"] = shape
+            result[f"{base}.qscale"] = (shape[0], shape[1] // group_size)
+        else:
+            result[name] = shape
+    return result
 
 
 def write_hf_folder(
@@ -192,14 +214,21 @@ def write_hf_folder(
     tensors: dict[str, TensorSource],
     vocab: SentencePieceVocab,
     overwrite: bool = False,
+    quantization_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Check the pieces fit together, then write the folder; returns it."""
+    """Check the pieces fit together, then write the folder; returns it.
+
+    With `quantization_config` (Strata's int8 format, `group_size` inputs per scale), a Linear weight may come
+    as `<x>.qweight` + `<x>.qscale` instead of `<x>.weight`; config.json then carries the config.
+    """
     if len(vocab.pieces) != spec.vocab_size:
         raise ConversionError(
             f"{vocab.source}: tokenizer has {len(vocab.pieces)} pieces but the model {spec.source} "
             f"has a vocabulary of {spec.vocab_size}"
         )
     expected = spec.tensor_shapes()
+    if quantization_config is not None:
+        expected = _with_quantized(expected, tensors, int(quantization_config["group_size"]))
     missing = [name for name in expected if name not in tensors]
     unexpected = [name for name in tensors if name not in expected]
     if missing or unexpected:
@@ -210,7 +239,10 @@ def write_hf_folder(
 
     _prepare_out_dir(out_dir, overwrite)
     write_tokenizer_files(vocab, out_dir, spec.max_position_embeddings)
-    (out_dir / "config.json").write_text(json.dumps(spec.config_json(vocab), indent=2) + "\n")
+    config = spec.config_json(vocab)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": vocab.eos_id}
     if vocab.pad_id is not None:
         generation["pad_token_id"] = vocab.pad_id

@@ -8,7 +8,18 @@ import sys
 from collections.abc import Sequence
 
 from strata import __version__
+from strata.config import QUANTIZATION_METHODS
 from strata.entrypoints.layers_cli import add_layer_arguments, add_layers_parser, layer_config_kwargs
+
+
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        default=None,
+        help="int8: weight-only int8 Linear layers, quantized per channel at load (default: off, or what "
+        "the model folder was stored as)",
+    )
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +29,7 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    add_quantization_argument(parser)
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -56,6 +68,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         compile=args.compile,
+        quantization=args.quantization,
         **layer_config_kwargs(args),
     )
     engine = llm.engine

@@ -33,9 +33,12 @@ def layer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_layers_parser(subparsers: argparse._SubParsersAction) -> None:
+    from strata.entrypoints.cli import add_quantization_argument
+
     parser = subparsers.add_parser("layers", help="show the layer implementation each replaced module uses")
     parser.add_argument("--model", default=None, help="local model folder (default: the bundled stories260K)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    add_quantization_argument(parser)
     add_layer_arguments(parser)
     parser.add_argument(
         "--verify", action="store_true", help="compare each op with the hw-agnostic forward_native"
@@ -59,7 +62,10 @@ def run_layers(args: argparse.Namespace) -> int:
     from strata.models.transformers.loader import build_model
 
     model_config = ModelConfig(
-        model=args.model or default_model(), dtype=args.dtype, skip_tokenizer_init=True
+        model=args.model or default_model(),
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        quantization=args.quantization,
     )
     layer_config = LayerConfig(**layer_config_kwargs(args))
     model, _ = build_model(model_config, layer_config)

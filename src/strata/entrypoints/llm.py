@@ -80,6 +80,7 @@ class LLM:
         custom_ops: list[str] | None = None,
         compile: bool | None = None,
         compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
+        quantization: str | None = None,
     ) -> None:
         model_config = ModelConfig(
             model=model if model is not None else default_model(),
@@ -88,6 +89,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             skip_tokenizer_init=skip_tokenizer_init,
+            quantization=quantization,
         )
         cache_kwargs: dict[str, Any] = {
             "block_size": block_size,

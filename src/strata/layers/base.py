@@ -82,3 +82,88 @@ def act_and_mul_table(
         "gelu_new": gelu_tanh,
         "gelu_fast": gelu_tanh,
     }
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel (row): `weight ~= q * scale[:, None]`, `scale = max|row| / 127`.
+
+    Computed in float32 whatever the input dtype; an all-zero row gets scale 1 so nothing divides by zero.
+    """
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8LinearBase(CustomOp):
+    """`x @ (qweight * scale[:, None]).T + bias`: a Linear with int8 weights and one float scale per output.
+
+    Parameters: `qweight` (int8, `[out, in]`), `scale` (`[out]`, the model dtype) and the optional `bias`.
+    The loader calls `load_float_weight` with each checkpoint weight (after merging shards), so only one
+    floating-point tensor is held at a time while a model loads.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.qweight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False
+        )
+        self.scale = nn.Parameter(torch.ones(out_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def load_float_weight(self, weight: torch.Tensor) -> None:
+        """Quantize a `[out, in]` floating-point weight into `qweight` and `scale` (in the model dtype)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit an int8 linear of "
+                f"{self.in_features} -> {self.out_features}"
+            )
+        q, scale = quantize_per_channel(weight)
+        self.qweight = nn.Parameter(q, requires_grad=False)
+        self.scale = nn.Parameter(scale.to(self.scale.dtype), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, forward={self.forward_method_name}"
+        )
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        x = torch.randn(num_tokens, self.in_features, generator=generator)
+        return [(x.to(device=self.qweight.device, dtype=dtype),)]
+
+
+class LinearBase(CustomOp):
+    """`x @ weight.T + bias`, with HF `nn.Linear`'s parameter names, so checkpoints load unchanged."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, forward={self.forward_method_name}"
+        )
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        x = torch.randn(num_tokens, self.in_features, generator=generator)
+        return [(x.to(device=self.weight.device, dtype=dtype),)]

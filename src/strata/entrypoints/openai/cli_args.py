@@ -75,6 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         compile=args.compile,
+        quantization=args.quantization,
         **layer_config_kwargs(args),
     )
     model_path = model if model is not None else default_model()

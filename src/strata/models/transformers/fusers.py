@@ -238,3 +238,26 @@ def fuse_layers(model: nn.Module) -> WeightMapping:
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path), attr, new)
     return fuser.mapping
+
+
+def replace_linears(model: nn.Module) -> int:
+    """Replace every plain `nn.Linear` in `model` (parameters on meta) by the resolved `Linear` layer.
+
+    Parameter names stay `weight` and `bias`, so checkpoints and tied heads load unchanged. Runs after the
+    other replacements (the GLU's merged projections are `nn.Linear`s, and int8 quantization takes its own
+    pick first); must run inside `set_current_layer_config`. Returns how many were replaced.
+    """
+    linear_cls: Callable[..., nn.Module] | None = None
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        linear_cls = linear_cls or resolve("linear", "Linear")
+        with torch.device("meta"):
+            new = linear_cls(
+                module.in_features, module.out_features, module.bias is not None, module.weight.dtype
+            )
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), attr, new)
+        replaced += 1
+    return replaced

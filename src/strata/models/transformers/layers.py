@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import pkgutil
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -82,8 +83,9 @@ def verify_layers(model: nn.Module, num_tokens: int = 7, seed: int = 0) -> list[
 
     This catches a layer that exists but computes something else, which import-time fallback never could.
     """
-    for module_name in ("layernorm", "activation"):  # register the references
-        importlib.import_module(f"{HW_AGNOSTIC_PACKAGE}.{module_name}")
+    package = importlib.import_module(HW_AGNOSTIC_PACKAGE)
+    for info in pkgutil.iter_modules(package.__path__):  # importing registers the references
+        importlib.import_module(f"{HW_AGNOSTIC_PACKAGE}.{info.name}")
     generator = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     results: dict[str, dict[str, Any]] = {}

@@ -21,13 +21,20 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import describe_layers, summarize_layers
+from strata.layers.base import Int8LinearBase
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
     AttentionLayerSpec,
     name_attention_layers,
     register_attention_interface,
 )
-from strata.models.transformers.fusers import WeightMapping, WeightTarget, fuse_layers
+from strata.models.transformers.fusers import WeightMapping, WeightTarget, fuse_layers, replace_linears
+from strata.models.transformers.quantization import (
+    QSCALE_SUFFIX,
+    QWEIGHT_SUFFIX,
+    dequantize_groups,
+    quantize_linears,
+)
 from strata.plugins import load_plugins
 
 logger = logging.getLogger("strata.models.loader")
@@ -62,7 +69,8 @@ def build_model(
 ) -> tuple[nn.Module, list[AttentionLayerSpec]]:
     """Build the HF model for `model_config` with Strata attention and its weights loaded, in eval mode.
 
-    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`);
+    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`), and with
+    `model_config.quantization` its Linear layers by int8 ones (see `quantization`);
     `use_layer_name` makes attention layers call the `LayerName` variant of the attention op.
     """
     layer_config = layer_config or LayerConfig()
@@ -86,6 +94,9 @@ def build_model(
                 hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=model_config.torch_dtype
             )
         weight_mapping = fuse_layers(model)
+        if model_config.quantization == "int8":
+            quantize_linears(model)
+        replace_linears(model)
     specs = name_attention_layers(model, use_layer_name)
     if not specs:
         raise ConfigError(
@@ -124,48 +135,101 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, tensor
 
 
+def _dequantize_pairs(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass float tensors through; turn each `<x>.qweight` + `<x>.qscale` pair into one float `<x>.weight`."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in items:
+        suffix = next((s for s in (QWEIGHT_SUFFIX, QSCALE_SUFFIX) if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name.removesuffix(suffix)
+        parts = pending.setdefault(base, {})
+        parts[suffix] = tensor
+        if len(parts) == 2:
+            del pending[base]
+            yield f"{base}.weight", dequantize_groups(base, parts[QWEIGHT_SUFFIX], parts[QSCALE_SUFFIX])
+    for base, parts in pending.items():
+        (have,) = parts
+        lacks = QSCALE_SUFFIX if have == QWEIGHT_SUFFIX else QWEIGHT_SUFFIX
+        raise WeightLoadError(f"quantized tensor {base}{have} has no {base}{lacks} in the checkpoint")
+
+
 def load_weights(
     model: nn.Module, folder: Path, dtype: torch.dtype, weight_mapping: WeightMapping | None = None
 ) -> None:
     """Replace each meta parameter by its checkpoint tensor; tie what the config ties; name any mismatch.
 
     `weight_mapping` sends checkpoint names of replaced modules to their new parameters; a sharded target
-    (a merged gate/up projection) is assembled from its shards and set once all of them arrived.
+    (a merged gate/up projection) is assembled from its shards and set once all of them arrived. The
+    weight of an int8 linear is quantized as it arrives (from float32, not `dtype`), and int8 checkpoint
+    pairs are dequantized one at a time first, so no full floating-point copy of the model is ever held.
     """
     weight_mapping = weight_mapping or {}
     params = dict(model.named_parameters(remove_duplicate=False))
+    # `<path>.weight` of each int8 linear: the float weight its `qweight` and `scale` are quantized from.
+    int8_layers = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Int8LinearBase)}
+    ties = model.get_expanded_tied_weights_keys(all_submodels=True)
+    tie_targets = {source: target for target, source in ties.items()}
+    tied_floats: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     assembling: dict[str, tuple[torch.Tensor, set[int]]] = {}
-    for name, tensor in _iter_checkpoint(_checkpoint_files(folder)):
+    for name, tensor in _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))):
         target = weight_mapping.get(name, WeightTarget(name))
-        if target.param not in params:
+        int8_layer = int8_layers.get(target.param)
+        if int8_layer is not None:
+            full_shape = (int8_layer.out_features, int8_layer.in_features)
+        elif target.param in params:
+            full_shape = tuple(params[target.param].shape)
+        else:
             unexpected.append(name)
             continue
-        expected = params[target.param]
-        shard_rows = expected.shape[0] // target.num_shards
-        expected_shape = (shard_rows, *expected.shape[1:]) if target.num_shards > 1 else tuple(expected.shape)
+        shard_rows = full_shape[0] // target.num_shards
+        expected_shape = (shard_rows, *full_shape[1:]) if target.num_shards > 1 else full_shape
         if tuple(tensor.shape) != tuple(expected_shape):
             raise WeightLoadError(
                 f"tensor {name} in {folder} has shape {tuple(tensor.shape)}, the model expects {tuple(expected_shape)}"
             )
         if target.num_shards > 1:
             if target.param not in assembling:
-                assembling[target.param] = (torch.empty(expected.shape, dtype=dtype), set())
+                merged_dtype = torch.float32 if int8_layer is not None else dtype
+                assembling[target.param] = (torch.empty(full_shape, dtype=merged_dtype), set())
             merged, shards = assembling[target.param]
             merged[target.shard * shard_rows : (target.shard + 1) * shard_rows] = tensor
             shards.add(target.shard)
             if len(shards) < target.num_shards:
                 continue
+            del assembling[target.param]
             tensor = merged
-        _set_parameter(model, target.param, nn.Parameter(tensor.to(dtype), requires_grad=False))
-        loaded.add(target.param)
-    for target, source in model.get_expanded_tied_weights_keys(all_submodels=True).items():
+        if int8_layer is not None:
+            int8_layer.load_float_weight(tensor)
+            prefix = target.param.removesuffix(".weight")
+            loaded |= {target.param, f"{prefix}.qweight", f"{prefix}.scale"}
+            # A tied head stored before (or instead of) the embedding: keep its floats for the embedding.
+            if target.param in ties and ties[target.param] not in loaded:
+                tied_floats[target.param] = tensor
+        else:
+            _set_parameter(model, target.param, nn.Parameter(tensor.to(dtype), requires_grad=False))
+            loaded.add(target.param)
+            tied_floats.pop(tie_targets.get(target.param, ""), None)
+    for target, source in ties.items():
         if target not in loaded and source in loaded:
-            _set_parameter(model, target, model.get_parameter(source))
+            if target in int8_layers:  # a tied int8 head: its own int8 copy of the float embedding
+                int8_layers[target].load_float_weight(model.get_parameter(source))
+                prefix = target.removesuffix(".weight")
+                loaded |= {f"{prefix}.qweight", f"{prefix}.scale"}
+            else:
+                _set_parameter(model, target, model.get_parameter(source))
             loaded.add(target)
         elif source not in loaded and target in loaded:
-            _set_parameter(model, source, model.get_parameter(target))
+            weight = tied_floats.pop(target, None)
+            tied = (
+                model.get_parameter(target)
+                if weight is None
+                else nn.Parameter(weight.to(dtype), requires_grad=False)
+            )
+            _set_parameter(model, source, tied)
             loaded.add(source)
     missing = sorted(set(params) - loaded)
     if missing or unexpected:

@@ -1,0 +1,40 @@
+"""The default Linear: ATen's GEMM, and on the CPU Strata's own kernel for decode-sized batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.custom_op import CustomOp
+from strata.layers import cpu_kernels
+from strata.layers.base import LinearBase
+
+# Weight dtypes `strata_cpu::linear` reads; other dtypes (float16) use ATen.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@CustomOp.register("linear")
+class Linear(LinearBase):
+    """On the CPU, batches of up to 8 rows (decode steps) go through `strata_cpu::linear`, which reads the
+    weights at close to memory bandwidth where ATen's GEMM reaches a third of it; the op itself hands wider
+    inputs to ATen, so one call serves every batch size, compiled or not."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        # Decided once here, not per call: the build may take seconds and `torch.compile` must not trace it.
+        self.use_kernel = (
+            self.forward_method_name == "forward_cpu"
+            and self.weight.dtype in _KERNEL_DTYPES
+            and cpu_kernels.load("small_batch_linear")
+        )
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.strata_cpu.linear(x.reshape(-1, self.in_features), self.weight, None, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,30 @@
+"""The quantization-agreement harness end to end on the tiny benchmark model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quantization.py"
+
+
+def test_tiny_agreement_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: it imports throughput
+    spec = importlib.util.spec_from_file_location("quantization_harness", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    assert harness.main(["--models", "tiny", "--tokens", "12", "--model-dir", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)["tiny"]
+    assert report["tokens"] == 12
+    assert set(report["variants"]) == {
+        f"{v}/{p}" for v in ("fp32", "bf16", "int8") for p in ("decode", "prefill")
+    }
+    for variant in report["variants"].values():
+        assert 0.5 <= variant["top1_agreement"] <= 1.0
+        assert 0 <= variant["mean_logprob_diff"] <= variant["max_logprob_diff"] < 0.5

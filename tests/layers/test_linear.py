@@ -1,0 +1,146 @@
+"""The Linear layer and Strata's CPU kernel behind it: same numbers as `nn.Linear` at every batch size and
+dtype, int8 weights with scales, clear errors, an ATen fallback where the kernel cannot be built, and
+every HF Linear of a built model replaced."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from strata import LLM
+from strata.hw_agnostic.layers import linear as hw_linear
+from strata.layers import cpu_kernels, linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load("small_batch_linear"),
+    reason="Strata's CPU kernel cannot be built here (no C++ compiler)",
+)
+
+# The kernel takes up to 8 rows and in blocks of 4; 9 and 40 rows go to ATen inside the same op.
+ROWS = [1, 3, 4, 5, 8, 9, 40]
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _reference_pair(dtype: torch.dtype, bias: bool, in_features: int = 96, out_features: int = 130) -> tuple:
+    generator = torch.Generator().manual_seed(0)
+    reference = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(out_features, in_features, generator=generator))
+        if bias:
+            reference.bias.copy_(torch.randn(out_features, generator=generator))
+    reference = reference.to(dtype)
+    ours = linear.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    ours.load_state_dict(reference.state_dict())
+    return ours, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", ROWS)
+def test_cpu_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    ours, reference = _reference_pair(dtype, bias)
+    assert ours.forward_method_name == "forward_cpu"
+    assert ours.use_kernel == (dtype != torch.float16)
+    x = torch.randn(2, rows, 96).to(dtype)
+    out = ours(x)
+    assert out.dtype == dtype and out.shape == (2, rows, 130)
+    # Against float32 math, so the kernel's float32 accumulation is held to the float32 answer.
+    expected = nn.functional.linear(
+        x.float(), reference.weight.float(), None if not bias else reference.bias.float()
+    )
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+def test_hw_agnostic_linear_is_plain_f_linear() -> None:
+    ours, reference = _reference_pair(torch.float32, True)
+    agnostic = hw_linear.Linear(96, 130, bias=True)
+    agnostic.load_state_dict(reference.state_dict())
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(agnostic(x), reference(x), rtol=0, atol=0)
+    torch.testing.assert_close(ours(x), agnostic(x))
+
+
+@pytest.mark.parametrize("rows", [1, 6, 12])
+def test_kernel_int8_weights_with_per_row_scales(rows: int) -> None:
+    generator = torch.Generator().manual_seed(1)
+    qweight = torch.randint(-127, 128, (70, 64), dtype=torch.int8, generator=generator)
+    scale = torch.rand(70, generator=generator) / 100
+    bias = torch.randn(70, generator=generator)
+    x = torch.randn(rows, 64, generator=generator)
+    out = torch.ops.strata_cpu.linear(x, qweight, scale, bias)
+    expected = x @ (qweight.float() * scale[:, None]).T + bias
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((torch.randn(2, 5), torch.randn(3, 4), None, None), "x has 5 features but weight expects 4"),
+        (
+            (torch.randn(2, 4), torch.randn(3, 4).double(), None, None),
+            "weight dtype must be float32, bfloat16 or int8",
+        ),
+        ((torch.randn(2, 4), torch.zeros(3, 4, dtype=torch.int8), None, None), "int8 weights need a scale"),
+        ((torch.randn(2, 2, 4), torch.randn(3, 4), None, None), "must be 2-D"),
+    ],
+)
+def test_kernel_rejects_bad_inputs_clearly(args: tuple, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.strata_cpu.linear(*args)
+
+
+def _kernel_in_subprocess(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    code = (
+        "import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+        "from strata.layers import linear\n"
+        "layer = linear.Linear(8, 4)\n"
+        "torch.nn.init.normal_(layer.weight)\n"
+        "x = torch.randn(1, 8)\n"
+        "torch.testing.assert_close(layer(x), x @ layer.weight.T)\n"
+        "print('use_kernel', layer.use_kernel)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "STRATA_CACHE_ROOT": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_without_a_compiler_the_layer_falls_back_to_aten_with_one_warning(tmp_path: Path) -> None:
+    result = _kernel_in_subprocess(tmp_path, CXX="no-such-compiler")
+    assert result.returncode == 0, result.stderr
+    assert "use_kernel False" in result.stdout
+    assert result.stderr.count("no C++ compiler (no-such-compiler) found") == 1
+
+
+def test_a_failing_build_falls_back_and_disable_env_skips_the_build(tmp_path: Path) -> None:
+    failing = _kernel_in_subprocess(tmp_path, CXX="false")
+    assert failing.returncode == 0, failing.stderr
+    assert "use_kernel False" in failing.stdout and "building Strata's CPU kernel" in failing.stderr
+    disabled = _kernel_in_subprocess(tmp_path, STRATA_DISABLE_CPU_KERNELS="1")
+    assert "use_kernel False" in disabled.stdout and disabled.stderr == ""
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@pytest.mark.parametrize("layer_impl", ["default", "hw-agnostic"])
+def test_every_hf_linear_of_a_built_model_is_replaced(
+    tiny_model_dir: Callable[[str], Path], layer_impl: str
+) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, layer_impl=layer_impl)
+    types = llm.apply_model(lambda model: {type(m) for m in model.modules()})
+    assert nn.Linear not in types
+    rows = [row for row in llm.layer_providers() if row["op"] == "linear"]
+    # 4 attention projections and 2 MLP projections per layer, and the head.
+    num_layers = llm.apply_model(lambda model: model.config.num_hidden_layers)
+    assert len(rows) == 6 * num_layers + 1
+    assert {row["provider"] for row in rows} == {layer_impl}
