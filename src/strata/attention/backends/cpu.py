@@ -1,0 +1,50 @@
+"""Paged attention on the CPU: decode steps through Strata's C++ kernel, everything else through torch_native.
+
+`strata_cpu::paged_decode_attention` reads each sequence's keys and values where they lie in the paged cache;
+the pure-PyTorch decode path first copies them into a padded tensor, per layer per step. Prefill and mixed
+steps, and caches of a dtype the kernel does not read, use the reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.attention.backends import torch_native
+from strata.attention.forward_context import AttentionMetadata
+from strata.layers import cpu_kernels
+
+# Cache dtypes `strata_cpu::paged_decode_attention` reads (it sums in float32 either way).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """`torch_native.paged_attention`'s contract, with pure-decode steps on the kernel where it can be built.
+
+    This runs inside Strata's attention custom ops, whose bodies `torch.compile` never traces (it traces
+    their fake implementations), so the one-time build in `cpu_kernels.load` happens at the first real
+    decode step, outside any compilation, and is a cached lookup afterwards.
+    """
+    if (
+        metadata.is_pure_decode
+        and query.device.type == "cpu"
+        and kv_cache.dtype in _KERNEL_DTYPES
+        and cpu_kernels.load("paged_decode_attention")
+    ):
+        return torch.ops.strata_cpu.paged_decode_attention(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_tables,
+            metadata.seq_lens,
+            scale,
+            softcap,
+            sliding_window,
+        )
+    return torch_native.paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)

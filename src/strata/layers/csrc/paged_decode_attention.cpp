@@ -1,0 +1,355 @@
+// Strata's CPU decode attention: one query token per sequence attends over its paged KV cache in place.
+//
+// The pure-PyTorch decode path copies every sequence's blocks into a padded tensor (`k_cache[block_tables]`)
+// per layer per step and then runs a handful of batched ops over the copy; for a small model that copy and
+// the op overheads are a large share of a decode step. This kernel walks each sequence's block table and
+// reads the keys and values where they lie, with a block-wise online softmax in float32, so each cached
+// byte is read once and nothing is allocated per token.
+//
+// Work items are (sequence, KV head) pairs spread over ATen's intra-op threads. The query heads that share
+// a KV head (GQA) are computed together, so each key and value row serves all of them from L1.
+//
+// Plain C++ (`#pragma omp simd` loops and GCC/Clang vector types, no intrinsics) vectorised by the compiler
+// for this CPU (-O3 -march=native); it is built on first use (`cpu_kernels.py`).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+
+// Columns per register tile: one 512-bit vector of floats.
+constexpr int64_t kTile = 16;
+
+// exp(x) for x <= 0 within 3 ulp, in plain arithmetic so loops over it vectorise (libm's expf does not
+// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n
+// through the exponent bits. Adding 1.5 * 2^23 rounds x / ln2 to the integer n in the low mantissa bits.
+// Below -87 (e^x < 2^-125, nothing next to a softmax's largest term, which is 1) it returns 0.
+inline float exp_nonpositive(float x) {
+  constexpr float kShift = 12582912.f;
+  const float clamped = std::max(x, -87.f);
+  const float shifted = clamped * 1.44269504f + kShift;
+  const float n = shifted - kShift;
+  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t exponent = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
+  return x < -87.f ? 0.f : p * std::bit_cast<float>(exponent << 23);
+}
+
+// A register tile of kTile floats: a GCC/Clang vector type, one AVX-512 register (two AVX2, four NEON).
+using Tile = float __attribute__((vector_size(kTile * sizeof(float))));
+
+template <typename T>
+inline Tile load_tile(const T* p) {
+  Tile v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int j = 0; j < kTile; ++j) v[j] = widen(p[j]);
+  }
+  return v;
+}
+
+// Lane t of the result is the sum of x[t]'s lanes, for kTile tiles x (overwritten). Pairs of tiles are
+// merged by adding their halves, then quarters, ...: 15 merges of 3 vector operations for 16 sums, where
+// summing each tile by itself would take 16 dependent chains of 8.
+inline Tile lane_sums(Tile* x) {
+  static_assert(kTile == 16, "the shuffles below are written for 16 lanes");
+  for (int i = 0; i < 8; ++i) {
+    const Tile a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Tile a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Tile a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Scores of keys [n rows, `key_stride` apart] against MG query heads (rows of q, `D` apart) into MG rows of
+// `scores` (`bs` apart). Each dot product is summed in a register tile (each widened key tile serves all MG
+// heads), and the tiles of kTile keys are reduced to their scores together (`lane_sums`).
+template <int MG, typename T>
+inline void block_scores(const float* q, int64_t D, const T* keys, int64_t key_stride, int64_t n,
+                         float* scores, int64_t bs) {
+  const int64_t tiled = D - D % kTile;
+  Tile dots[MG][kTile];
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t m = std::min(kTile, n - t0);
+    for (int64_t t = 0; t < m; ++t) {
+      const T* key = keys + (t0 + t) * key_stride;
+      Tile a[MG] = {};
+      for (int64_t d0 = 0; d0 < tiled; d0 += kTile) {
+        const Tile k = load_tile(key + d0);
+        for (int g = 0; g < MG; ++g) a[g] += load_tile(q + g * D + d0) * k;
+      }
+      for (int g = 0; g < MG; ++g) {
+        for (int64_t d = tiled; d < D; ++d) a[g][0] += q[g * D + d] * widen(key[d]);
+        dots[g][t] = a[g];
+      }
+    }
+    for (int g = 0; g < MG; ++g) {
+      std::fill(dots[g] + m, dots[g] + kTile, Tile{});
+      const Tile sums = lane_sums(dots[g]);
+      std::memcpy(scores + g * bs + t0, &sums, m * sizeof(float));
+    }
+  }
+}
+
+// acc[g] += sum_t p[g][t] * values[t] for MG heads (p rows `bs` apart, acc rows `Dv` apart). The value
+// dimension goes in tiles of kTile whose sums stay in registers across the block's tokens; each widened
+// value element serves all MG heads. The last Dv % kTile columns are summed in memory.
+template <int MG, typename T>
+inline void block_values(const float* p, int64_t bs, const T* values, int64_t value_stride, int64_t n,
+                         float* acc, int64_t Dv) {
+  int64_t d0 = 0;
+  for (; d0 + kTile <= Dv; d0 += kTile) {
+    float a[MG][kTile];
+    for (int g = 0; g < MG; ++g) {
+#pragma omp simd
+      for (int64_t d = 0; d < kTile; ++d) a[g][d] = acc[g * Dv + d0 + d];
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = values + t * value_stride + d0;
+      for (int g = 0; g < MG; ++g) {
+        const float pt = p[g * bs + t];
+#pragma omp simd
+        for (int64_t d = 0; d < kTile; ++d) a[g][d] += pt * widen(v[d]);
+      }
+    }
+    for (int g = 0; g < MG; ++g) {
+#pragma omp simd
+      for (int64_t d = 0; d < kTile; ++d) acc[g * Dv + d0 + d] = a[g][d];
+    }
+  }
+  if (d0 == Dv) return;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = values + t * value_stride;
+    for (int g = 0; g < MG; ++g) {
+      const float pt = p[g * bs + t];
+      float* ag = acc + g * Dv;
+#pragma omp simd
+      for (int64_t d = d0; d < Dv; ++d) ag[d] += pt * widen(v[d]);
+    }
+  }
+}
+
+struct Shape {
+  int64_t heads, kv_heads, head_dim, value_dim, block_size, num_blocks, max_blocks;
+  int64_t k_strides[3], v_strides[3], table_stride;
+  float scale, softcap;
+  int64_t sliding_window;
+};
+
+// Reads entry `i` of an int32 or int64 index tensor: the engine builds block tables and lengths in either.
+struct Indices {
+  const int32_t* i32;
+  const int64_t* i64;
+  explicit Indices(const at::Tensor& t)
+      : i32(t.scalar_type() == at::kInt ? t.data_ptr<int32_t>() : nullptr),
+        i64(t.scalar_type() == at::kInt ? nullptr : t.data_ptr<int64_t>()) {}
+  int64_t operator[](int64_t i) const { return i32 ? i32[i] : i64[i]; }
+};
+
+// One (sequence, KV head) item: `group` query heads `q` ([group, head_dim], already scaled) attend over the
+// sequence's keys [first, len); the result goes to `acc` ([group, value_dim]). `scores` holds
+// [group, block_size] floats and `row_max`/`row_sum` `group` floats of scratch.
+template <typename T>
+void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
+                const float* q, float* acc, float* scores, float* row_max, float* row_sum) {
+  const int64_t group = s.heads / s.kv_heads, bs = s.block_size, D = s.head_dim, Dv = s.value_dim;
+  std::fill(acc, acc + group * Dv, 0.f);
+  std::fill(row_max, row_max + group, -std::numeric_limits<float>::infinity());
+  std::fill(row_sum, row_sum + group, 0.f);
+  const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, len - s.sliding_window) : 0;
+  for (int64_t block = first / bs; block * bs < len; ++block) {
+    const int64_t id = table[block];
+    TORCH_CHECK(id >= 0 && id < s.num_blocks, "strata_cpu::paged_decode_attention: block id ", id,
+                " is outside the cache's ", s.num_blocks, " blocks");
+    const int64_t t0 = std::max(first, block * bs) - block * bs;
+    const int64_t t1 = std::min(len, (block + 1) * bs) - block * bs;
+    const int64_t n = t1 - t0;
+    const T* kb = k + id * s.k_strides[0] + kv_head * s.k_strides[2] + t0 * s.k_strides[1];
+    const T* vb = v + id * s.v_strides[0] + kv_head * s.v_strides[2] + t0 * s.v_strides[1];
+    for (int64_t g = 0; g < group; g += 4) {
+      const float* qg = q + g * D;
+      float* sg = scores + g * bs;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 1: block_scores<1>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
+        case 2: block_scores<2>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
+        case 3: block_scores<3>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
+        default: block_scores<4>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * bs;
+      if (s.softcap > 0) {
+        for (int64_t t = 0; t < n; ++t) sg[t] = std::tanh(sg[t] / s.softcap) * s.softcap;
+      }
+      float block_max = row_max[g];
+#pragma omp simd reduction(max : block_max)
+      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sg[t]);
+      // Earlier blocks were weighted against the old maximum: bring their sum and output to the new one.
+      const float correction = exp_nonpositive(row_max[g] - block_max);
+      row_max[g] = block_max;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - block_max);
+        sum += sg[t];
+      }
+      row_sum[g] = row_sum[g] * correction + sum;
+      if (correction != 1.f) {
+        float* ag = acc + g * Dv;
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; ++d) ag[d] *= correction;
+      }
+    }
+    for (int64_t g = 0; g < group; g += 4) {
+      const float* pg = scores + g * bs;
+      float* ag = acc + g * Dv;
+      switch (std::min<int64_t>(4, group - g)) {
+        case 1: block_values<1>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
+        case 2: block_values<2>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
+        case 3: block_values<3>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
+        default: block_values<4>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    // An empty context (a zero-length padding row) attends to nothing: its output stays zero.
+    const float inv = row_sum[g] > 0 ? 1.f / row_sum[g] : 0.f;
+    float* ag = acc + g * Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) ag[d] *= inv;
+  }
+}
+
+template <typename T>
+void decode_attention(const Shape& s, const float* query, const T* k, const T* v, const at::Tensor& tables,
+                      const std::vector<int64_t>& lens, float* out) {
+  const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
+  const Indices table_all(tables);
+  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * s.head_dim), scores(group * s.block_size), row_max(group), row_sum(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / s.kv_heads, kv_head = item % s.kv_heads;
+      const float* qb = query + (b * s.heads + kv_head * group) * s.head_dim;
+      for (int64_t i = 0; i < group * s.head_dim; ++i) q[i] = qb[i] * s.scale;
+      Indices table = table_all;
+      if (table.i32) table.i32 += b * s.table_stride;
+      else table.i64 += b * s.table_stride;
+      float* o = out + (b * s.heads + kv_head * group) * s.value_dim;
+      attend_one(s, k, v, table, lens[b], kv_head, q.data(), o, scores.data(), row_max.data(),
+                 row_sum.data());
+    }
+  });
+}
+
+// query [B, H, D] (one token per sequence); k_cache [num_blocks, block_size, Hkv, D] and v_cache
+// [num_blocks, block_size, Hkv, Dv] in float32, bfloat16 or float16; block_tables [B, max_blocks] and
+// seq_lens [B] (context length including this token) int32 or int64. softcap > 0 caps the scaled scores
+// with tanh; sliding_window > 0 keeps only the last sliding_window keys. Returns [B, H, Dv] in query's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, double softcap,
+                                  int64_t sliding_window) {
+  constexpr const char* op = "strata_cpu::paged_decode_attention: ";
+  TORCH_CHECK(query.dim() == 3, op, "query must be [batch, heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), op,
+              "k_cache and v_cache differ in blocks, block size or heads: ", k_cache.sizes(), " vs ",
+              v_cache.sizes());
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == v_cache.scalar_type(), op, "k_cache and v_cache must have one dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              "cache dtype must be float32, bfloat16 or float16, got ", dtype);
+  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(query.size(2) == k_cache.size(3), op, "query head_dim ", query.size(2), " but keys have ",
+              k_cache.size(3));
+  TORCH_CHECK(heads % kv_heads == 0, op, heads, " query heads are not a multiple of ", kv_heads, " KV heads");
+  for (const at::Tensor* t : {&block_tables, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, op,
+                "block_tables and seq_lens must be int32 or int64");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == batch,
+              op, "block_tables must be [batch, max_blocks] and seq_lens [batch] for batch ", batch);
+
+  const at::Tensor k = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
+  const at::Tensor v = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
+  const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const Shape shape{heads, kv_heads, query.size(2), v.size(3), k.size(1), k.size(0), tables.size(1),
+                    {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
+                    tables.stride(0), static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
+
+  const at::Tensor lens_t = seq_lens.contiguous();
+  const Indices lens_at(lens_t);
+  std::vector<int64_t> lens(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    lens[b] = lens_at[b];
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= shape.max_blocks * shape.block_size, op, "sequence ", b,
+                " has length ", lens[b], " but its block table holds ", shape.max_blocks * shape.block_size,
+                " tokens");
+  }
+
+  at::Tensor out = at::empty({batch, heads, shape.value_dim}, q.options());
+  float* o = out.data_ptr<float>();
+  switch (dtype) {
+    case at::kFloat:
+      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, o);
+      break;
+    case at::kBFloat16:
+      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
+                       tables, lens, o);
+      break;
+    default:
+      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), tables,
+                       lens, o);
+      break;
+  }
+  return out.to(query.scalar_type());
+}
+
+}  // namespace
+
+// A fragment: `small_batch_linear.cpp` owns the strata_cpu namespace, and either library may load first.
+TORCH_LIBRARY_FRAGMENT(strata_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, float softcap, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,178 @@
+"""Strata's CPU decode-attention kernel: the same numbers as the pure-PyTorch reference (`_decode_attention`)
+over shuffled paged caches, GQA and MHA, soft-capping and sliding windows; the CPU backend sends only
+decode steps to it; and the engine's greedy output does not change when the kernel is switched off."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata import LLM, SamplingParams
+from strata.attention import ops
+from strata.attention.backends import cpu, torch_native
+from strata.attention.forward_context import AttentionMetadata
+from strata.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.load("paged_decode_attention"),
+    reason="Strata's CPU decode-attention kernel cannot be built here (no C++ compiler)",
+)
+
+BLOCK_SIZE = 16
+# From one token to several blocks, ending inside a block and on a block boundary.
+SEQ_LENS = [1, 16, 17, 50, 100]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per call of the kernel op, which is wrapped for the test."""
+    calls: list[int] = []
+    kernel = torch.ops.strata_cpu.paged_decode_attention
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.ops.strata_cpu, "paged_decode_attention", spy)
+    return calls
+
+
+def _paged_inputs(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query [B, H, D], k/v caches [num_blocks, BLOCK_SIZE, Hkv, D], shuffled block tables (padded with
+    spare blocks past each sequence's end) and lengths."""
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(SEQ_LENS) // BLOCK_SIZE) + 1
+    num_blocks = len(SEQ_LENS) * max_blocks + 3
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=generator)[: len(SEQ_LENS) * max_blocks]
+    block_tables = block_tables.view(len(SEQ_LENS), max_blocks).to(torch.int32)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    query = torch.randn(len(SEQ_LENS), num_heads, head_dim, generator=generator).to(dtype)
+    return query, k_cache, v_cache, block_tables, seq_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+@pytest.mark.parametrize("sliding_window", [0, 20])
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_kernel_matches_the_torch_native_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, softcap: float, sliding_window: int, head_dim: int
+) -> None:
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = torch.ops.strata_cpu.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    expected = torch_native._decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:
+    """The model runner builds int64 block tables; a head_dim that is not a multiple of 16 has a tail."""
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(6, 3, 17, torch.float32, seed=1)
+    args = (0.3, 0.0, 0)
+    out32 = torch.ops.strata_cpu.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, *args
+    )
+    out64 = torch.ops.strata_cpu.paged_decode_attention(
+        query, k_cache, v_cache, block_tables.long(), seq_lens.long(), *args
+    )
+    torch.testing.assert_close(out32, out64, rtol=0, atol=0)
+    expected = torch_native._decode_attention(query, k_cache, v_cache, block_tables, seq_lens, *args)
+    torch.testing.assert_close(out32, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_traces_under_torch_compile() -> None:
+    """The fake implementation gives Dynamo the output's shape and dtype without running the kernel."""
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, torch.bfloat16)
+
+    def attend(query: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.strata_cpu.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, seq_lens, 0.125, 0.0, 0
+        )
+        return out * 2
+
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(query), attend(query), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "message"),
+    [([200, 1, 1, 1, 1], "has length 200 but its block table holds"), ([-1, 1, 1, 1, 1], "has length -1")],
+)
+def test_kernel_rejects_lengths_its_block_table_cannot_hold(seq_lens: list[int], message: str) -> None:
+    query, k_cache, v_cache, block_tables, _ = _paged_inputs(4, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.strata_cpu.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32), 1.0, 0.0, 0
+        )
+
+
+def _metadata(query_lens: list[int], block_tables: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
+    starts = [0]
+    for length in query_lens:
+        starts.append(starts[-1] + length)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_host=seq_lens.tolist(),
+        query_start_loc_host=starts,
+        max_query_len=max(query_lens),
+        max_seq_len=int(seq_lens.max()),
+        block_size=BLOCK_SIZE,
+    )
+
+
+def test_cpu_backend_sends_decode_steps_to_the_kernel_and_the_rest_to_torch_native(
+    kernel_calls: list[int],
+) -> None:
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, torch.float32)
+    kv_cache = torch.stack([k_cache, v_cache])
+    settings = (0.125, 0.0, 0)
+    decode = _metadata([1] * len(SEQ_LENS), block_tables, seq_lens)
+    out = ops.paged_attention(query, kv_cache, decode, *settings)
+    expected = torch_native.paged_attention(query, kv_cache, decode, *settings)
+    assert kernel_calls == [1]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+    # A prefill chunk among the decodes: the whole step goes to the reference backend.
+    query_lens = [1, 1, 4, 1, 1]
+    mixed = _metadata(query_lens, block_tables, seq_lens)
+    queries = torch.randn(sum(query_lens), 8, 64)
+    out = cpu.paged_attention(queries, kv_cache, mixed, *settings)
+    assert kernel_calls == [1]
+    torch.testing.assert_close(out, torch_native.paged_attention(queries, kv_cache, mixed, *settings))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_greedy_output_is_the_same_with_the_kernel_off(
+    tiny_model_dir: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int], arch: str
+) -> None:
+    """gemma2 adds soft-capping and a sliding window shorter than the sequences."""
+    llm = LLM(str(tiny_model_dir(arch)), skip_tokenizer_init=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (3, 11, 20)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with_kernel = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert kernel_calls, "the decode steps did not reach the kernel"
+    # What STRATA_DISABLE_CPU_KERNELS=1 does to the attention backend; the layers keep their own choice.
+    monkeypatch.setattr(cpu_kernels, "load", lambda name: False)
+    kernel_calls.clear()
+    without = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert not kernel_calls
+    assert with_kernel == without
+    assert all(len(tokens) == 40 for tokens in with_kernel)
