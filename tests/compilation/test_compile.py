@@ -103,6 +103,7 @@ def runs(
                     "use_layer_name": use_layer_name,
                     "passes": {"fuse_kv_write_into_attention": fuse},
                     "use_cache": False,
+                    "evaluate_guards": True,  # so a batch size that needed a recompile would get one
                 },
             )
             tokens, logits = _run(llm)

@@ -29,6 +29,13 @@ def test_second_start_loads_every_piece_with_zero_inductor_compilations(
 ) -> None:
     first = _compiled_llm(tmp_path)
     expected = first.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    # Guards are skipped after the first trace (the default): batch sizes 3, 2, 1 still match eager.
+    prompts = [{"prompt_token_ids": [1, *range(40, 40 + n)]} for n in (3, 9, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6, 3)]
+    eager = LLM(skip_tokenizer_init=True).generate(prompts, params, use_tqdm=False)
+    compiled = first.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+    assert first.engine.runner.compiled.stats.dynamo_graphs == 1  # type: ignore[union-attr]
     stats = first.engine.runner.compiled.stats  # type: ignore[union-attr]
     assert stats.compiled == stats.distinct_pieces and stats.loaded == 0
     files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())

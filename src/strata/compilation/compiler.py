@@ -26,6 +26,7 @@ def cache_key(config: EngineConfig) -> str:
     parts = {
         "model": config.model_config.hf_config.to_json_string(use_diff=False),
         "dtype": str(config.model_config.torch_dtype),
+        "quantization": config.model_config.quantization,
         "strata": __version__,
         "torch": torch.__version__,
         "layers": [config.layer_config.layer_impl, config.layer_config.custom_ops],
@@ -108,6 +109,7 @@ class CompiledForward:
         self.passes = PassManager(build_passes(layer_names, compilation.pass_enabled))
         self.backend = StrataBackend(self.passes, cache_dir)
         self.model = model
+        self.evaluate_guards = compilation.evaluate_guards
         self._compiled: Any = None
         if compilation.mode == "model":
             self._compiled = self._compile(_fresh(_forward, "strata_forward"))
@@ -140,6 +142,15 @@ class CompiledForward:
         return self.backend.stats
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        if self.stats.dynamo_graphs and not self.evaluate_guards:
+            # Traced: nothing a guard checks can change any more (the token count is unbacked, the weights
+            # and names are fixed per engine), so evaluating the guards (about 1 ms a step for a small model)
+            # only costs time. `evaluate_guards` keeps them, to prove that in tests.
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._call(input_ids, positions, keep)
+        return self._call(input_ids, positions, keep)
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         if self._compiled is None:
             return _forward(self.model, input_ids, positions, keep)
         torch._dynamo.decorators.mark_unbacked(input_ids, 1)
