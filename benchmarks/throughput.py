@@ -49,7 +49,6 @@ import argparse
 import datetime
 import functools
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -224,8 +223,13 @@ def strata_example_plugin_engine(folder: Path, limits: Limits) -> Generate:
         unregister_oot("RMSNorm")
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+def llama_cpp_unavailable() -> str | None:
+    """Why `import llama_cpp` fails (not installed, or its shared library does not load), or None."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # an ImportError, or an OSError from a library built for another machine
+        return f"import llama_cpp failed ({type(e).__name__}: {e}); see the module docstring to install it"
+    return None
 
 
 def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
@@ -517,7 +521,7 @@ def measure_roofline(
     Best of several runs, since neighbours only ever make a run slower."""
     with torch.inference_mode():
         data = torch.ones(read_bytes // 4, dtype=torch.float32)
-        read_s = _best_seconds(lambda: data.sum(), repeats, budget_s)
+        read_s = _best_seconds(data.sum, repeats, budget_s)
         del data
         generator = torch.Generator().manual_seed(0)
         a = torch.randn(matmul_n, matmul_n, generator=generator)
@@ -879,9 +883,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     engines = list(args.engines)
     skipped: dict[str, str] = {}
-    if LLAMA_CPP in engines and not llama_cpp_available():
+    if LLAMA_CPP in engines and (reason := llama_cpp_unavailable()) is not None:
         engines.remove(LLAMA_CPP)
-        skipped[LLAMA_CPP] = "llama_cpp is not importable (see the module docstring to install it)"
+        skipped[LLAMA_CPP] = reason
         print(f"note: skipping {LLAMA_CPP}: {skipped[LLAMA_CPP]}", file=sys.stderr, flush=True)
     if not engines:
         print("error: no engine left to run", file=sys.stderr)
@@ -934,7 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_roofline(roofline))
     for model, info in report["models"].items():
         print(
-            f"{model}: {info['matmul_params'] / 1e6:.1f}M matmul params, {info['matmul_bytes'] / 1e6:.0f} MB fp32 "
+            f"{model}: {info['matmul_params'] / 1e6:.1f}M matmul params, {info['matmul_bytes'] / 1e6:.1f} MB fp32 "
             f"per token: bandwidth limit {info['fp32_bandwidth_limit_tok_s']:.0f} tok/s at batch 1, "
             f"compute limit {info['fp32_compute_limit_tok_s']:.0f} tok/s"
         )
