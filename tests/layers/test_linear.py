@@ -144,3 +144,52 @@ def test_every_hf_linear_of_a_built_model_is_replaced(
     num_layers = llm.apply_model(lambda model: model.config.num_hidden_layers)
     assert len(rows) == 6 * num_layers + 1
     assert {row["provider"] for row in rows} == {layer_impl}
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 5), (19, 33), (130, 96), (300, 200)])
+def test_kernel_every_small_row_count_odd_shapes_and_dtypes(
+    wdtype: torch.dtype, xdtype: torch.dtype, shape: tuple
+) -> None:
+    """All M the kernel's own path takes (1-8) over rows and features that are not multiples of its tiles
+    (16 lanes) nor of its row blocks, float32 / bfloat16 x and bias, float32 / bfloat16 / int8 weights."""
+    n, k = shape
+    generator = torch.Generator().manual_seed(2)
+    if wdtype == torch.int8:
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        scale = torch.rand(n, generator=generator) / 100
+        dense = weight.float() * scale[:, None]
+    else:
+        weight, scale = torch.randn(n, k, generator=generator).to(wdtype), None
+        dense = weight.float()
+    bias = torch.randn(n, generator=generator).to(xdtype)
+    for rows in range(1, 9):
+        x = torch.randn(rows, k, generator=generator).to(xdtype)
+        out = torch.ops.strata_cpu.linear(x, weight, scale, bias)
+        assert out.dtype == xdtype and out.shape == (rows, n)
+        expected = x.float() @ dense.T + bias.float()
+        if xdtype == torch.bfloat16:
+            # The kernel rounds its float32 result to bfloat16 once, as `.to()` does.
+            torch.testing.assert_close(out, expected.to(xdtype), rtol=1e-2, atol=1e-2)
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 2000, generator=generator)
+    x = torch.randn(3, 200, generator=generator)[:, ::2]  # non-contiguous x
+    w = weight[:, ::20]  # non-contiguous weight, 96 x 100
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, w, None, None), x @ w.T, rtol=1e-5, atol=1e-4)
+    assert torch.ops.strata_cpu.linear(torch.randn(0, 100), w, None, None).shape == (0, 96)
+    # Large enough to be split over the intra-op threads; each thread's rows must land in place.
+    big = torch.randn(4099, 512, generator=generator)
+    xs = torch.randn(5, 512, generator=generator)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = torch.ops.strata_cpu.linear(xs, big, None, None)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, xs @ big.T, rtol=1e-5, atol=1e-3)

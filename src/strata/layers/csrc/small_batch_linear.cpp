@@ -1,13 +1,18 @@
 // Strata's CPU linear for decode-sized batches: out[m, n] = sum_k x[m, k] * w[n, k] (* scale[n]) (+ bias[n]).
 //
 // ATen's fp32 GEMM reads a weight matrix at 10-15 GB/s when x has one to a few rows (a matrix-vector
-// product), well under the memory bandwidth that bounds decoding. This kernel streams each weight row
-// once per four rows of x, splits the weight rows across ATen's intra-op threads, and widens bf16 or int8
-// weights in registers, so a decode step reads each weight byte once at close to the bandwidth limit.
+// product), well under the memory bandwidth that bounds decoding. This kernel streams each weight byte once
+// per call, in memory order and prefetched ahead, splits the weight rows across ATen's intra-op threads
+// (only for layers big enough to pay for it), and widens bf16 or int8 weights 16 at a time in registers.
+// Each dot product is summed in several independent 16-lane register tiles (so it does not wait on one
+// FMA chain), and 16 rows' tiles are reduced together; up to 8 rows of x share every widened weight tile.
+// A decode step so reads fp32, bf16 and int8 weights at close to the bandwidth limit.
 // Wider inputs (prefill, large batches) go to oneDNN's GEMM where PyTorch has it: on the CPUs measured it
 // runs float32 at about twice the rate of the MKL path `at::linear` takes for these shapes.
 //
-// Plain C++ vectorised by the compiler (-O3 -march=native); it is built on first use (`cpu_kernels.py`).
+// C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the bf16 / int8 widening
+// loads use x86 intrinsics (GCC 12 turns the portable `__builtin_convertvector` into scalar code there),
+// under #if with a plain C++ fallback for other CPUs. It is built on first use (`cpu_kernels.py`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,61 +25,241 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the widening loads; elsewhere plain C++ below
+#endif
 
 namespace {
 
 // Above this many rows of x ATen's GEMM is as fast or faster (measured on AVX-512 and AVX2 machines).
 constexpr int64_t kMaxRows = 8;
-constexpr int kRowBlock = 4;
 
-inline float widen(float v) { return v; }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
-inline float widen(int8_t v) { return static_cast<float>(v); }
+// Lanes of a register tile: one 512-bit vector of floats (two AVX2 registers, four NEON ones).
+constexpr int kLanes = 16;
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 
-// Dot products of one weight row with MB rows of x; each widened weight element serves all MB rows.
-template <int MB, typename W>
-inline void row_dots(const float* x, int64_t K, const W* row, float* acc) {
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-  const float* x1 = x + (MB > 1 ? K : 0);
-  const float* x2 = x + (MB > 2 ? 2 * K : 0);
-  const float* x3 = x + (MB > 3 ? 3 * K : 0);
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-  for (int64_t k = 0; k < K; ++k) {
-    const float w = widen(row[k]);
-    a0 += x[k] * w;
-    if constexpr (MB > 1) a1 += x1[k] * w;
-    if constexpr (MB > 2) a2 += x2[k] * w;
-    if constexpr (MB > 3) a3 += x3[k] * w;
-  }
-  acc[0] = a0;
-  if constexpr (MB > 1) acc[1] = a1;
-  if constexpr (MB > 2) acc[2] = a2;
-  if constexpr (MB > 3) acc[3] = a3;
+// A layer is split over threads only when each thread gets at least this much work, counted in weight
+// bytes times (M + 1) / 2 (more rows of x, more arithmetic per byte): below it waking a second thread
+// costs more than it saves (measured on a 2-core Zen 5: a 288x288 int8 layer at M = 1 runs faster on one).
+constexpr int64_t kMinWorkPerThread = 128 * 1024;
+
+// Weights are prefetched this far ahead of the loads, in the matrix's memory order: the hardware
+// prefetchers alone leave bf16 and int8 rows (fewer bytes per instruction) 15-30% short of the
+// bandwidth (measured on Zen 5; prefetching past the matrix's end is harmless, prefetches never fault).
+constexpr int kPrefetchBytes = 8192;
+
+// kLanes consecutive elements widened to float.
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Vec load(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<Vec>(_mm512_slli_epi32(h, 16));  // bf16 is a float's top half
+#elif defined(__AVX2__)
+  const __m128i* q = reinterpret_cast<const __m128i*>(p);
+  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16);
+  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16);
+  Vec v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
+  Vec v;
+  for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+#endif
+}
+inline Vec load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+  Vec v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
+#else
+  Vec v;
+  for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
+  return v;
+#endif
+}
+// The first n < kLanes elements, the other lanes zero (never reads past p + n).
+template <typename T>
+inline Vec load_partial(const T* p, int64_t n) {
+  T tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load(tmp);
 }
 
-template <typename W>
-void small_batch_kernel(const float* x, const W* w, const float* scale, const float* bias, float* out,
-                        int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const W* row = w + n * K;
-      const float s = scale ? scale[n] : 1.f;
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-        float acc[kRowBlock];
-        const int64_t rows = std::min<int64_t>(kRowBlock, M - m0);
-        const float* xm = x + m0 * K;
-        switch (rows) {
-          case 1: row_dots<1>(xm, K, row, acc); break;
-          case 2: row_dots<2>(xm, K, row, acc); break;
-          case 3: row_dots<3>(xm, K, row, acc); break;
-          default: row_dots<4>(xm, K, row, acc); break;
-        }
-        for (int64_t i = 0; i < rows; ++i) out[(m0 + i) * N + n] = acc[i] * s + b;
+// Lane t of the result is the sum of x[t]'s lanes, for kLanes tiles x (overwritten): pairs of tiles are
+// merged by adding their halves, then quarters, ..., 15 merges of 3 vector operations for 16 sums.
+inline Vec lane_sums(Vec* x) {
+  static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
+  for (int i = 0; i < 8; ++i) {
+    const Vec a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Vec a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Vec a = x[2 * i], b = x[2 * i + 1];
+    x[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
+// tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency and, with the
+// weight tiles, fit the 32 AVX-512 registers. Up to 4 rows of x one weight row at a time reads fastest
+// (the matrix is then one sequential stream); with more, sharing each x tile between two weight rows
+// saves more loads than the two interleaved streams cost (measured on Zen 5).
+template <int MB>
+struct Blocking {
+  static constexpr int RB = MB <= 4 ? 1 : 2;
+  static constexpr int KU = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+};
+
+// Tiles of the dot products of RB weight rows (`K` apart) with MB rows of x (`K` apart), as lanes to be
+// summed: out[m * kLanes + r]. Each widened weight tile serves all MB rows of x.
+template <int MB, int RB, int KU, typename W>
+inline void row_dots(const float* x, const W* w, int64_t K, Vec* out) {
+  Vec acc[MB][RB][KU];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r)
+      for (int u = 0; u < KU; ++u) acc[m][r][u] = Vec{};
+  int64_t k = 0;
+  for (; k + KU * kLanes <= K; k += KU * kLanes) {
+    Vec wv[RB][KU];
+    for (int r = 0; r < RB; ++r) {
+      for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
+                                                         kPrefetchBytes + p));
+      for (int u = 0; u < KU; ++u) wv[r][u] = load(w + r * K + k + u * kLanes);
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < KU; ++u) {
+        const Vec xv = load(x + m * K + k + u * kLanes);
+        for (int r = 0; r < RB; ++r) acc[m][r][u] += xv * wv[r][u];
+      }
+  }
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load(w + r * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const Vec xv = load(x + m * K + k);
+      for (int r = 0; r < RB; ++r) acc[m][r][0] += xv * wv[r];
+    }
+  }
+  if (k < K) {
+    Vec wv[RB];
+    for (int r = 0; r < RB; ++r) wv[r] = load_partial(w + r * K + k, K - k);
+    for (int m = 0; m < MB; ++m) {
+      const Vec xv = load_partial(x + m * K + k, K - k);
+      for (int r = 0; r < RB; ++r) acc[m][r][KU - 1] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < RB; ++r) {
+      Vec t = acc[m][r][0];
+      for (int u = 1; u < KU; ++u) t += acc[m][r][u];
+      out[m * kLanes + r] = t;
+    }
+}
+
+template <typename O>
+inline void store_out(O* out, float v) {
+  *out = static_cast<O>(v);
+}
+
+// Weight rows [g * kLanes, ...) in groups of kLanes: the rows' lane tiles are collected, summed together
+// (`lane_sums`) and scaled, biased and stored as kLanes outputs per row of x.
+template <int MB, typename W, typename B, typename O>
+void small_batch_rows(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t N,
+                      int64_t K, int64_t g_begin, int64_t g_end) {
+  Vec tiles[MB][kLanes];
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const int64_t n0 = g * kLanes;
+    const int64_t rows = std::min<int64_t>(kLanes, N - n0);
+    constexpr int RB = Blocking<MB>::RB, KU = Blocking<MB>::KU;
+    int64_t i = 0;
+    for (; i + RB <= rows; i += RB) row_dots<MB, RB, KU>(x, w + (n0 + i) * K, K, &tiles[0][i]);
+    for (; i < rows; ++i) row_dots<MB, 1, KU>(x, w + (n0 + i) * K, K, &tiles[0][i]);
+    for (int m = 0; m < MB; ++m) {
+      for (int64_t j = rows; j < kLanes; ++j) tiles[m][j] = Vec{};
+      const Vec sums = lane_sums(tiles[m]);
+      for (int64_t j = 0; j < rows; ++j) {
+        float v = sums[j];
+        if (scale) v *= scale[n0 + j];
+        if (bias) v += static_cast<float>(bias[n0 + j]);
+        store_out(out + m * N + n0 + j, v);
       }
     }
-  });
+  }
+}
+
+template <typename W, typename B, typename O>
+void small_batch_kernel(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
+                        int64_t N, int64_t K) {
+  const int64_t groups = (N + kLanes - 1) / kLanes;
+  const int64_t group_work =
+      std::max<int64_t>(1, kLanes * K * static_cast<int64_t>(sizeof(W)) * (M + 1) / 2);
+  const int64_t grain = std::max<int64_t>(1, (kMinWorkPerThread + group_work - 1) / group_work);
+  auto run = [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: small_batch_rows<1>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 2: small_batch_rows<2>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 3: small_batch_rows<3>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 4: small_batch_rows<4>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 5: small_batch_rows<5>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 6: small_batch_rows<6>(x, w, scale, bias, out, N, K, begin, end); break;
+      case 7: small_batch_rows<7>(x, w, scale, bias, out, N, K, begin, end); break;
+      default: small_batch_rows<8>(x, w, scale, bias, out, N, K, begin, end); break;
+    }
+  };
+  if (groups <= grain) {
+    run(0, groups);  // one thread's worth: no parallel region at all
+  } else {
+    at::parallel_for(0, groups, grain, run);
+  }
+}
+
+template <typename W, typename O>
+void dispatch_bias(const float* x, const W* w, const float* scale, const at::Tensor* bias, O* out, int64_t M,
+                   int64_t N, int64_t K) {
+  if (bias == nullptr) {
+    small_batch_kernel(x, w, scale, static_cast<const float*>(nullptr), out, M, N, K);
+  } else if (bias->scalar_type() == at::kBFloat16) {
+    small_batch_kernel(x, w, scale, bias->data_ptr<c10::BFloat16>(), out, M, N, K);
+  } else {
+    small_batch_kernel(x, w, scale, bias->data_ptr<float>(), out, M, N, K);
+  }
+}
+
+template <typename O>
+void dispatch_weight(const float* x, const at::Tensor& w, const float* scale, const at::Tensor* bias, O* out,
+                     int64_t M, int64_t N, int64_t K) {
+  switch (w.scalar_type()) {
+    case at::kFloat: dispatch_bias(x, w.data_ptr<float>(), scale, bias, out, M, N, K); break;
+    case at::kBFloat16: dispatch_bias(x, w.data_ptr<c10::BFloat16>(), scale, bias, out, M, N, K); break;
+    default: dispatch_bias(x, w.data_ptr<int8_t>(), scale, bias, out, M, N, K); break;
+  }
 }
 
 // `x @ w.T + bias` for wide x: oneDNN's linear (the op Inductor's CPU fusions call) when PyTorch was built
@@ -91,6 +276,12 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w, const std::opti
   return at::linear(x, w, bias);
 }
 
+// A float32 contiguous view of t: t itself when it already is one (no copy, no dispatch).
+at::Tensor as_float_contiguous(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
+  return t.to(at::kFloat).contiguous();
+}
+
 // x [M, K] float32 or bfloat16; weight [N, K] float32, bfloat16 or int8 (then `scale` [N] float32 is
 // required); bias [N]. Returns [M, N] in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
@@ -103,29 +294,38 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "strata_cpu::linear: weight dtype must be float32, bfloat16 or int8, got ", wtype);
   TORCH_CHECK((wtype == at::kChar) == scale.has_value(), "strata_cpu::linear: int8 weights need a scale");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
-  const at::Tensor scale_f = scale ? scale->to(at::kFloat).contiguous() : at::Tensor();
-  const at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   if (M > kMaxRows) {
     const at::Tensor w =
-        wtype == at::kChar ? at::mul(weight.to(at::kFloat), scale_f.unsqueeze(1)).to(x.scalar_type())
-                           : weight.to(x.scalar_type());
+        wtype == at::kChar
+            ? at::mul(weight.to(at::kFloat), as_float_contiguous(*scale).unsqueeze(1)).to(x.scalar_type())
+            : weight.to(x.scalar_type());
     return wide_linear(x.contiguous(), w.contiguous(),
                        bias ? std::optional<at::Tensor>(bias->to(x.scalar_type())) : std::nullopt);
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor wc = weight.contiguous();
-  at::Tensor out = at::empty({M, N}, xf.options());
-  const float* s = scale ? scale_f.data_ptr<float>() : nullptr;
-  const float* b = bias ? bias_f.data_ptr<float>() : nullptr;
-  float* o = out.data_ptr<float>();
-  switch (wtype) {
-    case at::kFloat: small_batch_kernel(xf.data_ptr<float>(), wc.data_ptr<float>(), s, b, o, M, N, K); break;
-    case at::kBFloat16:
-      small_batch_kernel(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), s, b, o, M, N, K);
-      break;
-    default: small_batch_kernel(xf.data_ptr<float>(), wc.data_ptr<int8_t>(), s, b, o, M, N, K); break;
+  // Small tensors are used as they come when they already have the layout the kernel reads; only what
+  // does not is converted (a bf16 x to float32, a strided weight to contiguous).
+  const at::Tensor xf = as_float_contiguous(x);
+  const at::Tensor wc = weight.is_contiguous() ? weight : weight.contiguous();
+  const at::Tensor scale_f = scale ? as_float_contiguous(*scale) : at::Tensor();
+  at::Tensor bias_c;
+  if (bias) {
+    bias_c = (bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16) && bias->is_contiguous()
+                 ? *bias
+                 : as_float_contiguous(*bias);
   }
-  return out.to(x.scalar_type());
+  const float* s = scale ? scale_f.data_ptr<float>() : nullptr;
+  const at::Tensor* b = bias ? &bias_c : nullptr;
+  const float* xp = xf.data_ptr<float>();
+  const auto xtype = x.scalar_type();
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
+  if (xtype == at::kBFloat16) {
+    at::Tensor out = at::empty({M, N}, x.options());
+    dispatch_weight(xp, wc, s, b, out.data_ptr<c10::BFloat16>(), M, N, K);
+    return out;
+  }
+  at::Tensor out = at::empty({M, N}, xf.options());
+  dispatch_weight(xp, wc, s, b, out.data_ptr<float>(), M, N, K);
+  return xtype == at::kFloat ? out : out.to(xtype);
 }
 
 }  // namespace
