@@ -279,6 +279,7 @@ ENGINES: dict[str, EngineFactory] = {
     "strata-hw-agnostic": functools.partial(strata_engine, layer_impl="hw-agnostic"),
     "strata-compiled": functools.partial(strata_engine, compile=True),
     "strata-compiled-layer": functools.partial(strata_engine, compile=True, compile_mode="layer"),
+    "strata-hw-agnostic-compiled": functools.partial(strata_engine, layer_impl="hw-agnostic", compile=True),
     "strata-example-plugin": strata_example_plugin_engine,
     "strata-bf16": functools.partial(strata_engine, dtype="bfloat16"),
     "strata-int8": functools.partial(strata_engine, quantization="int8"),
