@@ -25,6 +25,12 @@ from strata.attention.forward_context import AttentionMetadata, get_forward_cont
 from strata.compilation.layer_name import LayerNameOp, LayerNameType, resolve_layer_name
 
 
+def prepare_backend(device: torch.device) -> None:
+    """Get the attention backend for `device` ready before the first forward (CPU: build its kernel)."""
+    if device.type == "cpu":
+        cpu.prepare()
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
+from strata.attention.ops import prepare_backend
 from strata.compilation.compiler import CompiledForward
 from strata.config import ConfigError, EngineConfig
 from strata.engine.scheduler import ScheduledSequence
@@ -62,6 +63,7 @@ class ModelRunner:
             self.compiled = CompiledForward(self.model, config)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
+        prepare_backend(self.device)
 
     # -- KV cache -------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

@@ -17,6 +17,12 @@ from strata.layers import cpu_kernels
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def prepare() -> None:
+    """Build (once per machine) and load the decode kernel now, at engine start, so the first decode step
+    neither waits for the compiler nor logs in the middle of streamed output."""
+    cpu_kernels.load("paged_decode_attention")
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
