@@ -96,7 +96,33 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8LinearBase(CustomOp):
+class _LinearShapeBase(CustomOp):
+    """What every linear layer shares: its sizes, the optional bias, the repr and the verification inputs."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, forward={self.forward_method_name}"
+        )
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        x = torch.randn(num_tokens, self.in_features, generator=generator)
+        return [(x.to(device=next(self.parameters()).device, dtype=dtype),)]
+
+
+class Int8LinearBase(_LinearShapeBase):
     """`x @ (qweight * scale[:, None]).T + bias`: a Linear with int8 weights and one float scale per output.
 
     Parameters: `qweight` (int8, `[out, in]`), `scale` (`[out]`, the model dtype) and the optional `bias`.
@@ -107,16 +133,11 @@ class Int8LinearBase(CustomOp):
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        super().__init__(in_features, out_features, bias, dtype)
         self.qweight = nn.Parameter(
             torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False
         )
         self.scale = nn.Parameter(torch.ones(out_features, dtype=dtype), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        )
 
     def load_float_weight(self, weight: torch.Tensor) -> None:
         """Quantize a `[out, in]` floating-point weight into `qweight` and `scale` (in the model dtype)."""
@@ -129,41 +150,12 @@ class Int8LinearBase(CustomOp):
         self.qweight = nn.Parameter(q, requires_grad=False)
         self.scale = nn.Parameter(scale.to(self.scale.dtype), requires_grad=False)
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, forward={self.forward_method_name}"
-        )
 
-    def example_inputs(
-        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, ...]]:
-        x = torch.randn(num_tokens, self.in_features, generator=generator)
-        return [(x.to(device=self.qweight.device, dtype=dtype),)]
-
-
-class LinearBase(CustomOp):
+class LinearBase(_LinearShapeBase):
     """`x @ weight.T + bias`, with HF `nn.Linear`'s parameter names, so checkpoints load unchanged."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
+        super().__init__(in_features, out_features, bias, dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, forward={self.forward_method_name}"
-        )
-
-    def example_inputs(
-        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, ...]]:
-        x = torch.randn(num_tokens, self.in_features, generator=generator)
-        return [(x.to(device=self.weight.device, dtype=dtype),)]
