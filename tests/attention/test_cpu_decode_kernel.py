@@ -80,6 +80,26 @@ def test_kernel_matches_the_torch_native_reference(
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (12, 2)], ids=["group3", "group6"])
+@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize(("softcap", "sliding_window"), [(0.0, 0), (3.0, 21)])
+def test_kernel_matches_the_reference_for_other_groups_and_head_dims(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, softcap: float, sliding_window: int
+) -> None:
+    """Query-head groups of 3 and 6 (one pass of 3, two of 4 then 2) and the 32- and 128-wide heads."""
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = torch.ops.strata_cpu.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    expected = torch_native._decode_attention(
+        query.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:
     """The model runner builds int64 block tables; a head_dim that is not a multiple of 16 has a tail."""
     query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(6, 3, 17, torch.float32, seed=1)

@@ -66,6 +66,32 @@ inline Tile load_tile(const T* p) {
   Tile v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // A bfloat16 is the high half of the float32 it stands for: widen the bits and shift them up.
+    using Bits16 = uint16_t __attribute__((vector_size(kTile * sizeof(uint16_t))));
+    using Bits32 = uint32_t __attribute__((vector_size(kTile * sizeof(uint32_t))));
+    Bits16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits32 w = __builtin_convertvector(h, Bits32) << 16;
+    std::memcpy(&v, &w, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    // float16 bits to float32 in vector integer arithmetic (c10::Half converts lane by lane): the exponent
+    // and mantissa shifted into place and scaled by 2^112 (from float16's exponent bias to float32's, exact
+    // for subnormals too); infinities and NaNs get float32's all-ones exponent; then the sign.
+    using Bits16 = uint16_t __attribute__((vector_size(kTile * sizeof(uint16_t))));
+    using Bits32 = uint32_t __attribute__((vector_size(kTile * sizeof(uint32_t))));
+    Bits16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits32 w = __builtin_convertvector(h, Bits32);
+    const Bits32 magnitude = (w & 0x7fffu) << 13;
+    Tile scaled;
+    std::memcpy(&scaled, &magnitude, sizeof(scaled));
+    scaled *= 0x1p112f;
+    Bits32 bits;
+    std::memcpy(&bits, &scaled, sizeof(bits));
+    bits = magnitude >= (0x7c00u << 13) ? (magnitude | 0x7f800000u) : bits;
+    bits |= (w & 0x8000u) << 16;
+    std::memcpy(&v, &bits, sizeof(v));
   } else {
     for (int j = 0; j < kTile; ++j) v[j] = widen(p[j]);
   }
@@ -255,11 +281,190 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t l
   }
 }
 
+// Every lane of the result is the maximum (`hmax`) or the sum (`hsum`) of x's lanes: a butterfly of four
+// shuffles, where a lane-by-lane loop is a chain of 15 scalar operations.
+inline Tile butterfly_swap(Tile x, int step) {
+  switch (step) {
+    case 8: return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    case 4: return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    case 2: return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    default: return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  }
+}
+inline Tile hmax(Tile x) {
+  for (int step = 8; step >= 1; step /= 2) {
+    const Tile y = butterfly_swap(x, step);
+    x = x > y ? x : y;
+  }
+  return x;
+}
+inline Tile hsum(Tile x) {
+  for (int step = 8; step >= 1; step /= 2) x += butterfly_swap(x, step);
+  return x;
+}
+
+// exp_nonpositive lane by lane, in vector operations.
+using TileInt = int32_t __attribute__((vector_size(kTile * sizeof(int32_t))));
+inline Tile exp_nonpositive(Tile x) {
+  constexpr float kShift = 12582912.f;
+  const Tile lowest = Tile{} - 87.f;
+  const Tile clamped = x > lowest ? x : lowest;
+  const Tile shifted = clamped * 1.44269504f + kShift;
+  const Tile n = shifted - kShift;
+  const Tile r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  Tile p = Tile{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const TileInt exponent = reinterpret_cast<const TileInt&>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
+  const TileInt bits = exponent << 23;
+  const Tile e = p * reinterpret_cast<const Tile&>(bits);
+  return x < lowest ? Tile{} : e;
+}
+
+// The fast path for head dims that are whole tiles (DT key tiles, DVT value tiles, both small): MG query
+// heads walk the sequence's keys in chunks of up to kTile keys (one chunk per block at block size 16). Each
+// chunk's MG score vectors (one lane per key, from `lane_sums`) stay in registers through the mask, soft-cap,
+// max, exp and sum; the heads' queries and outputs are register tiles held across the whole sequence, and the
+// next block's keys and values are prefetched while this one is computed.
+template <int MG, int DT, int DVT, typename T>
+void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
+                  const float* q, float* out) {
+  const int64_t bs = s.block_size, D = s.head_dim, Dv = s.value_dim;
+  const int64_t ks = s.k_strides[1], vs = s.v_strides[1];
+  Tile qt[MG][DT];
+  for (int g = 0; g < MG; ++g)
+    for (int d = 0; d < DT; ++d) qt[g][d] = load_tile(q + g * D + d * kTile);
+  Tile acc[MG][DVT];
+  for (int g = 0; g < MG; ++g)
+    for (int d = 0; d < DVT; ++d) acc[g][d] = Tile{};
+  float row_max[MG], row_sum[MG];
+  for (int g = 0; g < MG; ++g) {
+    row_max[g] = -std::numeric_limits<float>::infinity();
+    row_sum[g] = 0.f;
+  }
+  Tile lane;
+  for (int j = 0; j < kTile; ++j) lane[j] = static_cast<float>(j);
+  const Tile neg_inf = Tile{} - std::numeric_limits<float>::infinity();
+  alignas(64) float p[MG][kTile];
+  const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, len - s.sliding_window) : 0;
+  const int64_t first_block = first / bs;
+  int64_t id = first_block * bs < len ? table[first_block] : 0;
+  for (int64_t block = first_block; block * bs < len; ++block) {
+    TORCH_CHECK(id >= 0 && id < s.num_blocks, "strata_cpu::paged_decode_attention: block id ", id,
+                " is outside the cache's ", s.num_blocks, " blocks");
+    // This block's keys and values for the KV head; chunk offsets below are positions in the block.
+    const T* kb = k + id * s.k_strides[0] + kv_head * s.k_strides[2];
+    const T* vb = v + id * s.v_strides[0] + kv_head * s.v_strides[2];
+    const int64_t lo = std::max(first, block * bs) - block * bs;
+    const int64_t hi = std::min(len, (block + 1) * bs) - block * bs;
+    if ((block + 1) * bs < len) {
+      id = table[block + 1];
+      if (id >= 0 && id < s.num_blocks) {
+        const char* nk = reinterpret_cast<const char*>(k + id * s.k_strides[0] + kv_head * s.k_strides[2]);
+        const char* nv = reinterpret_cast<const char*>(v + id * s.v_strides[0] + kv_head * s.v_strides[2]);
+        const int64_t nn = std::min(bs, len - (block + 1) * bs);
+        for (int64_t t = 0; t < nn; ++t) {
+          for (int64_t c = 0; c < static_cast<int64_t>(DT * kTile * sizeof(T)); c += 64)
+            __builtin_prefetch(nk + t * ks * sizeof(T) + c);
+          for (int64_t c = 0; c < static_cast<int64_t>(DVT * kTile * sizeof(T)); c += 64)
+            __builtin_prefetch(nv + t * vs * sizeof(T) + c);
+        }
+      }
+    }
+    for (int64_t c0 = lo; c0 < hi; c0 += kTile) {
+      const int64_t n = std::min<int64_t>(kTile, hi - c0);
+      Tile dots[MG][kTile];
+      for (int64_t t = 0; t < n; ++t) {
+        const T* key = kb + (c0 + t) * ks;
+        Tile kt[DT];
+        for (int d = 0; d < DT; ++d) kt[d] = load_tile(key + d * kTile);
+        for (int g = 0; g < MG; ++g) {
+          Tile a = {};
+          for (int d = 0; d < DT; ++d) a += qt[g][d] * kt[d];
+          dots[g][t] = a;
+        }
+      }
+      for (int64_t t = n; t < kTile; ++t)
+        for (int g = 0; g < MG; ++g) dots[g][t] = Tile{};
+      const auto valid = lane < static_cast<float>(n);
+      for (int g = 0; g < MG; ++g) {
+        Tile sc = lane_sums(dots[g]);
+        if (s.softcap > 0) {
+          for (int64_t t = 0; t < n; ++t) sc[t] = std::tanh(sc[t] / s.softcap) * s.softcap;
+        }
+        sc = valid ? sc : neg_inf;
+        const float block_max = std::max(row_max[g], hmax(sc)[0]);
+        const float correction = exp_nonpositive(row_max[g] - block_max);
+        row_max[g] = block_max;
+        const Tile e = exp_nonpositive(sc - block_max);
+        std::memcpy(p[g], &e, sizeof(e));
+        const float sum = hsum(e)[0];
+        row_sum[g] = row_sum[g] * correction + sum;
+        if (correction != 1.f) {
+          for (int d = 0; d < DVT; ++d) acc[g][d] *= correction;
+        }
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const T* val = vb + (c0 + t) * vs;
+        for (int d = 0; d < DVT; ++d) {
+          const Tile vt = load_tile(val + d * kTile);
+          for (int g = 0; g < MG; ++g) acc[g][d] += p[g][t] * vt;
+        }
+      }
+    }
+  }
+  for (int g = 0; g < MG; ++g) {
+    // An empty context (a zero-length padding row) attends to nothing: its output stays zero.
+    const float inv = row_sum[g] > 0 ? 1.f / row_sum[g] : 0.f;
+    for (int d = 0; d < DVT; ++d) {
+      const Tile r = acc[g][d] * inv;
+      std::memcpy(out + g * Dv + d * kTile, &r, sizeof(r));
+    }
+  }
+}
+
+template <int DT, int DVT, typename T>
+void attend_tiles_group(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
+                        const float* q, float* out) {
+  const int64_t group = s.heads / s.kv_heads;
+  for (int64_t g = 0; g < group; g += 4) {
+    const float* qg = q + g * s.head_dim;
+    float* og = out + g * s.value_dim;
+    switch (std::min<int64_t>(4, group - g)) {
+      case 1: attend_tiles<1, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
+      case 2: attend_tiles<2, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
+      case 3: attend_tiles<3, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
+      default: attend_tiles<4, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
+    }
+  }
+}
+
+// The fast path for this shape, or null.
+template <typename T>
+using AttendFn = void (*)(const Shape&, const T*, const T*, Indices, int64_t, int64_t, const float*, float*);
+
+template <typename T>
+AttendFn<T> tiled_path(const Shape& s) {
+  if (s.head_dim != s.value_dim) return nullptr;
+  switch (s.head_dim) {
+    case 32: return &attend_tiles_group<2, 2, T>;
+    case 64: return &attend_tiles_group<4, 4, T>;
+    case 128: return &attend_tiles_group<8, 8, T>;
+    default: return nullptr;
+  }
+}
+
+// The general path (`attend_one`) serves other head dims and value dims that differ from the key's.
 template <typename T>
 void decode_attention(const Shape& s, const float* query, const T* k, const T* v, const at::Tensor& tables,
                       const std::vector<int64_t>& lens, float* out) {
   const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
   const Indices table_all(tables);
+  const AttendFn<T> tiled = tiled_path<T>(s);
   at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * s.head_dim), scores(group * s.block_size), row_max(group), row_sum(group);
     for (int64_t item = begin; item < end; ++item) {
@@ -270,8 +475,12 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
       if (table.i32) table.i32 += b * s.table_stride;
       else table.i64 += b * s.table_stride;
       float* o = out + (b * s.heads + kv_head * group) * s.value_dim;
-      attend_one(s, k, v, table, lens[b], kv_head, q.data(), o, scores.data(), row_max.data(),
-                 row_sum.data());
+      if (tiled) {
+        tiled(s, k, v, table, lens[b], kv_head, q.data(), o);
+      } else {
+        attend_one(s, k, v, table, lens[b], kv_head, q.data(), o, scores.data(), row_max.data(),
+                   row_sum.data());
+      }
     }
   });
 }
