@@ -59,6 +59,30 @@ def _paged_inputs(
     return query, k_cache, v_cache, block_tables, seq_lens
 
 
+def _check_against_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    softcap: float,
+    sliding_window: int,
+    reference_dtype: torch.dtype,
+    tolerance: float,
+) -> None:
+    """The kernel on random paged inputs of `dtype` against `_decode_attention` run in `reference_dtype`."""
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    out = torch.ops.strata_cpu.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    reference = [t.to(reference_dtype) for t in (query, k_cache, v_cache)]
+    expected = torch_native._decode_attention(
+        *reference, block_tables, seq_lens, scale, softcap, sliding_window
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
@@ -67,17 +91,9 @@ def _paged_inputs(
 def test_kernel_matches_the_torch_native_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, softcap: float, sliding_window: int, head_dim: int
 ) -> None:
-    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
-    scale = head_dim**-0.5
-    out = torch.ops.strata_cpu.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
+    _check_against_reference(
+        num_heads, num_kv_heads, head_dim, dtype, softcap, sliding_window, dtype, TOLERANCE[dtype]
     )
-    expected = torch_native._decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
-    )
-    assert out.dtype == dtype and out.shape == query.shape
-    tolerance = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -88,16 +104,10 @@ def test_kernel_matches_the_reference_for_other_groups_and_head_dims(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, softcap: float, sliding_window: int
 ) -> None:
     """Query-head groups of 3 and 6 (one pass of 3, two of 4 then 2) and the 32- and 128-wide heads."""
-    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
-    scale = head_dim**-0.5
-    out = torch.ops.strata_cpu.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window
-    )
-    expected = torch_native._decode_attention(
-        query.float(), k_cache.float(), v_cache.float(), block_tables, seq_lens, scale, softcap, sliding_window
-    )
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+    _check_against_reference(
+        num_heads, num_kv_heads, head_dim, dtype, softcap, sliding_window, torch.float32, tolerance
+    )
 
 
 def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:

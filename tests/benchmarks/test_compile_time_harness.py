@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compile_time.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("compile_time_harness", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import load_benchmark
 
 
 def test_worker_reports_start_time_and_table_formats(tiny_model_dir: Callable[[str], Path]) -> None:
-    harness = _load()
+    harness = load_benchmark("compile_time")
     result = harness.worker(str(tiny_model_dir("llama")), {"compile": False})
     assert set(result) == {"start_s"} and result["start_s"] > 0
     table = harness.format_table([{"layers": 2, "distinct_pieces": 3}, {"layers": 8, "distinct_pieces": 3}])

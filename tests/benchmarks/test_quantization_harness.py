@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quantization.py"
+from benchmark_scripts import load_benchmark
 
 
-def test_tiny_agreement_report(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: it imports throughput
-    spec = importlib.util.spec_from_file_location("quantization_harness", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+def test_tiny_agreement_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    harness = load_benchmark("quantization")
     assert harness.main(["--models", "tiny", "--tokens", "12", "--model-dir", str(tmp_path)]) == 0
     report = json.loads(capsys.readouterr().out)["tiny"]
     assert report["tokens"] == 12

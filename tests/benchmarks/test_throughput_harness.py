@@ -7,7 +7,6 @@ CI never runs the real benchmark; this keeps the script itself from rotting.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import sys
 from collections.abc import Iterator
@@ -19,17 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+from benchmark_scripts import load_benchmark
+
 # Roofline measurements small enough for a test (the real ones take a few seconds).
 SMALL_ROOFLINE = {"read_bytes": 8 * 2**20, "matmul_n": 256, "repeats": 2}
-
-
-def _load_harness() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("throughput_harness", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _small_roofline(harness: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,7 +37,7 @@ def _table_rows(lines: list[str]) -> list[list[str]]:
 def test_tiny_run_reports_rows_ratios_and_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     _small_roofline(harness, monkeypatch)
     json_out = tmp_path / "report.json"
     argv = ["--models", "tiny", "--engines", "strata,transformers", "--concurrency", "1,2"]
@@ -135,7 +127,7 @@ def test_tiny_run_reports_rows_ratios_and_table(
 def test_prefill_off_and_llama_cpp_skipped_with_a_note(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     _small_roofline(harness, monkeypatch)
     monkeypatch.setattr(harness, "llama_cpp_unavailable", lambda: "not installed")
     assert harness.LLAMA_CPP in harness.DEFAULT_ENGINES
@@ -155,7 +147,7 @@ def test_prefill_off_and_llama_cpp_skipped_with_a_note(
 
 
 def test_prefill_len_must_fit_the_models(capsys: pytest.CaptureFixture[str]) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     too_long = harness.MODEL_SHAPES["tiny"]["max_position_embeddings"]
     with pytest.raises(SystemExit):
         harness.parse_args(["--models", "tiny", "--prefill-len", str(too_long)])
@@ -168,7 +160,7 @@ def test_prefill_len_must_fit_the_models(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_roofline_measures_bandwidth_and_matmul_rates() -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     roofline = harness.measure_roofline(**SMALL_ROOFLINE)
     assert roofline["threads"] == torch.get_num_threads()
     assert roofline["read_bytes"] == SMALL_ROOFLINE["read_bytes"] and roofline["matmul_n"] == 256
@@ -187,7 +179,7 @@ def _tiny_matmul_params(shape: dict[str, Any]) -> int:
 
 
 def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     shape = harness.MODEL_SHAPES["tiny"]
     monkeypatch.setitem(harness.MODEL_SHAPES, "tiny-tied", {**shape, "tie_word_embeddings": True})
     embedding = shape["vocab_size"] * shape["hidden_size"]
@@ -221,7 +213,7 @@ def test_gguf_writer_round_trips_through_stratas_converter(
 
     from strata.converters.gguf import convert_gguf
 
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     name = "tiny-tied" if tied else "tiny"
     shape = {**harness.MODEL_SHAPES["tiny"], "tie_word_embeddings": tied}
     monkeypatch.setitem(harness.MODEL_SHAPES, name, shape)
@@ -287,7 +279,7 @@ class _FakeLlama:
 def test_llama_cpp_engine_runs_prompts_one_after_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(Llama=_FakeLlama))
     _FakeLlama.instances.clear()
     assert harness.llama_cpp_unavailable() is None
@@ -306,7 +298,7 @@ def test_llama_cpp_engine_runs_prompts_one_after_another(
 
 
 def test_model_folders_are_cached_and_deterministic(tmp_path: Path) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     folder = harness.ensure_model_folder("tiny", tmp_path / "a")
     weights = folder / "model.safetensors"
     assert (folder / "config.json").is_file() and weights.is_file()
@@ -318,7 +310,7 @@ def test_model_folders_are_cached_and_deterministic(tmp_path: Path) -> None:
 
 
 def test_model_folder_with_an_older_shape_is_rebuilt(tmp_path: Path) -> None:
-    harness = _load_harness()
+    harness = load_benchmark("throughput")
     folder = harness.ensure_model_folder("tiny", tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
