@@ -1,8 +1,8 @@
 """Strata's own CPU kernels: C++ sources in `csrc/`, compiled on first use and loaded as torch ops.
 
 A kernel is built once per machine (`-O3 -march=native`, so the compiler vectorises for this CPU) into
-`STRATA_CACHE_ROOT/kernels/`, keyed by a hash of its source, the compiler flags, torch's version and the
-CPU. Building needs a C++ compiler (`CXX`, else `c++`); without one, or with `STRATA_DISABLE_CPU_KERNELS=1`,
+`STRATA_CACHE_ROOT/kernels/`, keyed by a hash of its source and the headers beside it (`csrc/*.h`, which
+the kernels share), the compiler flags, torch's version and the CPU. Building needs a C++ compiler (`CXX`, else `c++`); without one, or with `STRATA_DISABLE_CPU_KERNELS=1`,
 `load` returns False and the layers use ATen. Two processes building at once each write a private file and
 rename it into place.
 """
@@ -54,8 +54,9 @@ def _compile_command(compiler: str, source: Path, target: str) -> list[str]:
 def _build(name: str, compiler: str) -> Path:
     source = Path(str(resources.files("strata.layers") / "csrc" / f"{name}.cpp"))
     command = _compile_command(compiler, source, "TARGET")
+    headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\n".join([source.read_text(), *command, torch.__version__, _cpu_description()]).encode()
+        "\n".join([source.read_text(), *headers, *command, torch.__version__, _cpu_description()]).encode()
     ).hexdigest()[:20]
     target = Path(envs.cache_root()) / "kernels" / f"{name}-{key}.so"
     if target.is_file():

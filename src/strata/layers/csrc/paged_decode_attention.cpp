@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_tiles.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -34,8 +36,8 @@ inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 
-// Columns per register tile: one 512-bit vector of floats.
-constexpr int64_t kTile = 16;
+// Columns per register tile (`float_tiles.h`).
+constexpr int64_t kTile = strata_kernels::kLanes;
 
 // exp(x) for x <= 0 within 3 ulp, in plain arithmetic so loops over it vectorise (libm's expf does not
 // without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n
@@ -58,8 +60,8 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * std::bit_cast<float>(exponent << 23);
 }
 
-// A register tile of kTile floats: a GCC/Clang vector type, one AVX-512 register (two AVX2, four NEON).
-using Tile = float __attribute__((vector_size(kTile * sizeof(float))));
+using Tile = strata_kernels::FloatTile;
+using strata_kernels::lane_sums;
 
 template <typename T>
 inline Tile load_tile(const T* p) {
@@ -96,30 +98,6 @@ inline Tile load_tile(const T* p) {
     for (int j = 0; j < kTile; ++j) v[j] = widen(p[j]);
   }
   return v;
-}
-
-// Lane t of the result is the sum of x[t]'s lanes, for kTile tiles x (overwritten). Pairs of tiles are
-// merged by adding their halves, then quarters, ...: 15 merges of 3 vector operations for 16 sums, where
-// summing each tile by itself would take 16 dependent chains of 8.
-inline Tile lane_sums(Tile* x) {
-  static_assert(kTile == 16, "the shuffles below are written for 16 lanes");
-  for (int i = 0; i < 8; ++i) {
-    const Tile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const Tile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const Tile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // Scores of keys [n rows, `key_stride` apart] against MG query heads (rows of q, `D` apart) into MG rows of

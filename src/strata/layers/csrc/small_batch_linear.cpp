@@ -24,6 +24,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "float_tiles.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -38,9 +40,9 @@ namespace {
 // Above this many rows of x ATen's GEMM is as fast or faster (measured on AVX-512 and AVX2 machines).
 constexpr int64_t kMaxRows = 8;
 
-// Lanes of a register tile: one 512-bit vector of floats (two AVX2 registers, four NEON ones).
-constexpr int kLanes = 16;
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using strata_kernels::kLanes;
+using strata_kernels::lane_sums;
+using Vec = strata_kernels::FloatTile;
 
 // A layer is split over threads only when each thread gets at least this much work, counted in weight
 // bytes times (M + 1) / 2 (more rows of x, more arithmetic per byte): below it waking a second thread
@@ -100,29 +102,6 @@ inline Vec load_partial(const T* p, int64_t n) {
   T tmp[kLanes] = {};
   std::memcpy(tmp, p, n * sizeof(T));
   return load(tmp);
-}
-
-// Lane t of the result is the sum of x[t]'s lanes, for kLanes tiles x (overwritten): pairs of tiles are
-// merged by adding their halves, then quarters, ..., 15 merges of 3 vector operations for 16 sums.
-inline Vec lane_sums(Vec* x) {
-  static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
-  for (int i = 0; i < 8; ++i) {
-    const Vec a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const Vec a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const Vec a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
