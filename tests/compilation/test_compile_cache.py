@@ -19,15 +19,20 @@ PROMPT = {"prompt_token_ids": [1, 43, 47, 90, 61]}
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
 
 
-def _compiled_llm(cache_dir: Path) -> LLM:
-    return LLM(skip_tokenizer_init=True, compile=True, compilation_config={"cache_dir": str(cache_dir)})
+def _compiled_llm(cache_dir: Path, mode: str) -> LLM:
+    return LLM(
+        skip_tokenizer_init=True, compile=True, compilation_config={"cache_dir": str(cache_dir), "mode": mode}
+    )
 
 
 @pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
+@pytest.mark.parametrize(
+    ("mode", "trace_file"), [("model", "strata_forward-0.dynamo"), ("layer", "strata_layer_forward-0.dynamo")]
+)
 def test_second_start_loads_every_piece_with_zero_inductor_compilations(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: str, trace_file: str
 ) -> None:
-    first = _compiled_llm(tmp_path)
+    first = _compiled_llm(tmp_path, mode)
     expected = first.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     # Guards are skipped after the first trace (the default): batch sizes 3, 2, 1 still match eager.
     prompts = [{"prompt_token_ids": [1, *range(40, 40 + n)]} for n in (3, 9, 5)]
@@ -39,14 +44,16 @@ def test_second_start_loads_every_piece_with_zero_inductor_compilations(
     stats = first.engine.runner.compiled.stats  # type: ignore[union-attr]
     assert stats.compiled == stats.distinct_pieces and stats.loaded == 0
     files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    assert len(files) == stats.distinct_pieces and all(name.endswith(".bin") for name in files)
+    assert len([name for name in files if name.endswith(".bin")]) == stats.distinct_pieces
+    assert [name for name in files if not name.endswith(".bin")] == [trace_file]
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
     caplog.set_level("INFO", logger="strata.compilation")
-    second = _compiled_llm(tmp_path)
+    second = _compiled_llm(tmp_path, mode)
     assert second.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == expected
     stats = second.engine.runner.compiled.stats  # type: ignore[union-attr]
-    assert stats.compiled == 0 and stats.loaded == stats.distinct_pieces
+    # Neither Dynamo nor Inductor runs: the saved trace and its pieces are loaded.
+    assert stats.dynamo_graphs == 0 and stats.compiled == 0 and stats.loaded == stats.distinct_pieces
     assert counters["inductor"]["fxgraph_cache_miss"] == misses
     summary = [r.getMessage() for r in caplog.records if "pieces" in r.getMessage()]
     assert len(summary) == 1 and f"0 compiled, {stats.distinct_pieces} loaded from cache" in summary[0]
@@ -94,25 +101,23 @@ def test_bad_compilation_config_names_the_field(config: dict[str, Any], field: s
         LLM(skip_tokenizer_init=True, compilation_config=config)
 
 
-class _FailingArtifact:
-    def save(self, *, path: str, format: str) -> None:
-        Path(path).write_bytes(b"partial")
-        raise OSError("disk full")
+def _fail_to_save(path: str) -> None:
+    Path(path).write_bytes(b"partial")
+    raise OSError("disk full")
 
 
-class _Artifact:
-    def save(self, *, path: str, format: str) -> None:
-        Path(path).write_bytes(b"whole")
+def _save_whole(path: str) -> None:
+    Path(path).write_bytes(b"whole")
 
 
 def test_cache_writes_are_atomic(tmp_path: Path) -> None:
     """Readers see a whole file or none: a failed write leaves nothing, not even its temporary file."""
     target = tmp_path / "piece.bin"
     with pytest.raises(OSError, match="disk full"):
-        backend._save_atomically(_FailingArtifact(), target)
+        backend._save_atomically(_fail_to_save, target)
     assert os.listdir(tmp_path) == []
-    backend._save_atomically(_Artifact(), target)
-    backend._save_atomically(_Artifact(), target)  # a second engine finishing the same piece later
+    backend._save_atomically(_save_whole, target)
+    backend._save_atomically(_save_whole, target)  # a second engine finishing the same piece later
     assert os.listdir(tmp_path) == ["piece.bin"] and target.read_bytes() == b"whole"
 
 

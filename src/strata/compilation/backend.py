@@ -16,22 +16,31 @@ attention op. With `LayerName` its name is an input of the piece, so every "betw
 hashes the same and a model of any depth compiles at most three distinct pieces. With `str` names the name
 is a constant of the piece, so the key differs per layer: each layer compiles its own piece, and a piece
 compiled for one layer's name can never serve another layer.
+
+The backend returns a `CompiledGraph`, which `torch.compile(...).aot_compile` can serialise together with
+Dynamo's bytecode and guards: the saved form is the graph after the passes plus each piece's key, and loading
+it asks the loading engine's backend for the pieces (from its table or the disk cache), so a warm start
+neither traces nor compiles.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import os
+import pickle
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._dynamo.aot_compile_types import SerializableCallable
 from torch.fx.passes.split_module import split_module
 
 from strata.attention.ops import ATTENTION_OPS
@@ -112,6 +121,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         super().__init__(module)
         self.backend = backend
         self.fake_mode = fake_mode
+        self.piece_keys: dict[str, str] = {}
 
     def run(self, *args: Any) -> Any:
         fake_args = [self.fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -123,8 +133,11 @@ class _PieceCompiler(torch.fx.Interpreter):
         submodule = self.fetch_attr(target)
         output = super().call_module(target, args, kwargs)
         if not any(is_attention(node) for node in submodule.graph.nodes):
-            compiled = self.backend.compile_piece(submodule, list(args))
-            setattr(self.module, target, _CompiledPiece(compiled))
+            key = piece_key(submodule, list(args))
+            self.piece_keys[target] = key
+            setattr(
+                self.module, target, _CompiledPiece(self.backend.compile_piece(submodule, list(args), key))
+            )
         return output
 
 
@@ -147,17 +160,22 @@ class StrataBackend:
         self.cache_dir = cache_dir
         self.stats = CompileStats()
         self._pieces: dict[str, Callable[..., Any]] = {}
+        self._count_loads = True
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CompiledGraph:
         from torch._guards import detect_fake_mode
 
         start = time.perf_counter()
         self.stats.dynamo_graphs += 1
         self.pass_manager(gm)
         split = _split(gm)
-        fake_mode = detect_fake_mode(example_inputs)
-        _PieceCompiler(split, self, fake_mode).run(*example_inputs)
+        compiler = _PieceCompiler(split, self, detect_fake_mode(example_inputs))
+        compiler.run(*example_inputs)
         self.stats.seconds += time.perf_counter() - start
+        self.log_summary()
+        return CompiledGraph(split, compiler.piece_keys)
+
+    def log_summary(self) -> None:
         logger.info(
             "compiled forward: %d pieces, %d distinct, %d compiled, %d loaded from cache, %.1f s",
             self.stats.pieces,
@@ -166,37 +184,117 @@ class StrataBackend:
             self.stats.loaded,
             self.stats.seconds,
         )
-        return split.forward
 
-    def compile_piece(self, piece: fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
-        """The compiled callable for `piece`: shared with an identical earlier piece, loaded, or compiled."""
-        from torch._inductor import CompiledArtifact, standalone_compile
+    @contextlib.contextmanager
+    def loading(self, count: bool = True) -> Iterator[None]:
+        """Within this block, deserialised `CompiledGraph`s take their pieces from this backend; `count=False`
+        for a graph this backend just compiled (its pieces are counted already)."""
+        token = _LOADING_BACKEND.set(self)
+        counted = self._count_loads
+        self._count_loads = count
+        try:
+            yield
+        finally:
+            _LOADING_BACKEND.reset(token)
+            self._count_loads = counted
 
-        self.stats.pieces += 1
-        key = piece_key(piece, inputs)
-        if key in self._pieces:
-            return self._pieces[key]
-        self.stats.distinct_pieces += 1
-        path = self.cache_dir / f"{key}.bin" if self.cache_dir is not None else None
-        if path is not None and path.is_file():
-            artifact = CompiledArtifact.load(path=str(path), format="binary")
+    def load_piece(self, key: str) -> Callable[..., Any]:
+        """The compiled piece `key` of a saved graph: shared with one already loaded, or read from disk."""
+        from torch._inductor import CompiledArtifact
+
+        self.stats.pieces += self._count_loads
+        if key not in self._pieces:
+            path = self._piece_path(key)
+            if path is None or not path.is_file():
+                raise FileNotFoundError(f"compiled piece {key} is not in the compile cache")
+            self.stats.distinct_pieces += 1
+            self._pieces[key] = CompiledArtifact.load(path=str(path), format="binary")
             self.stats.loaded += 1
-        else:
-            artifact = standalone_compile(piece, inputs, dynamic_shapes="from_tracing_context")
-            self.stats.compiled += 1
-            if path is not None:
-                _save_atomically(artifact, path)
+        return self._pieces[key]
+
+    def _piece_path(self, key: str) -> Path | None:
+        return self.cache_dir / f"{key}.bin" if self.cache_dir is not None else None
+
+    def compile_piece(self, piece: fx.GraphModule, inputs: list[Any], key: str) -> Callable[..., Any]:
+        """The compiled callable for `piece`: shared with an identical earlier piece, loaded, or compiled."""
+        from torch._inductor import standalone_compile
+
+        path = self._piece_path(key)
+        if key in self._pieces or (path is not None and path.is_file()):
+            return self.load_piece(key)
+        self.stats.pieces += 1
+        self.stats.distinct_pieces += 1
+        artifact = standalone_compile(piece, inputs, dynamic_shapes="from_tracing_context")
+        self.stats.compiled += 1
+        if path is not None:
+            _save_atomically(lambda tmp: artifact.save(path=tmp, format="binary"), path)
         self._pieces[key] = artifact
         return artifact
 
 
-def _save_atomically(artifact: Any, path: Path) -> None:
-    """Write to a private temporary file in the same folder, then rename: readers never see a partial file."""
+# The backend whose pieces a `CompiledGraph` being deserialised uses (`StrataBackend.loading`).
+_LOADING_BACKEND: contextvars.ContextVar[StrataBackend] = contextvars.ContextVar("strata_loading_backend")
+
+
+class CompiledGraph(SerializableCallable):
+    """The split forward with its compiled pieces: what the backend returns to Dynamo.
+
+    Serialised as the split graph with each compiled piece replaced by its key; deserialising takes the
+    pieces from the backend of `StrataBackend.loading`.
+    """
+
+    def __init__(self, split: fx.GraphModule, piece_keys: dict[str, str]) -> None:
+        self.split = split
+        self.piece_keys = piece_keys
+
+    def __call__(self, *args: Any) -> Any:
+        return self.split(*args)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: CompiledGraph) -> bytes:
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        modules: dict[str, torch.nn.Module] = {}
+        for name, module in fn.split.named_children():
+            if name in fn.piece_keys:
+                modules[name] = torch.nn.Module()  # the piece is saved by its key
+            else:
+                modules[name] = module
+                _drop_trace_metadata(module.graph)
+        _drop_trace_metadata(fn.split.graph)
+        saved = fx.GraphModule(modules, fn.split.graph)
+        return pickle.dumps({"split": GraphPickler.dumps(saved, Options(ops_filter=None)), "keys": fn.piece_keys})
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> CompiledGraph:
+        from torch._subclasses import FakeTensorMode
+        from torch.fx._graph_pickler import GraphPickler
+
+        backend = _LOADING_BACKEND.get(None)
+        if backend is None:
+            raise RuntimeError("a Strata compiled graph loads only inside StrataBackend.loading()")
+        state = pickle.loads(data)
+        split = GraphPickler.loads(state["split"], FakeTensorMode())
+        for name, key in state["keys"].items():
+            setattr(split, name, _CompiledPiece(backend.load_piece(key)))
+        split.recompile()
+        return cls(split, state["keys"])
+
+
+def _drop_trace_metadata(graph: fx.Graph) -> None:
+    """Fake values and source stacks matter while compiling, not to run the graph (and do not pickle)."""
+    for node in graph.nodes:
+        node.meta = {}
+
+
+def _save_atomically(save: Callable[[str], Any], path: Path) -> None:
+    """`save(tmp)` to a private temporary file in the same folder, then rename: readers never see a partial
+    file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        artifact.save(path=tmp, format="binary")
+        save(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

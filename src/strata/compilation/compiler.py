@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
+import logging
+import time
 import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from strata import __version__
-from strata.compilation.backend import CompileStats, StrataBackend
+from strata.compilation.backend import CompileStats, StrataBackend, _save_atomically
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
 from strata.config import ConfigError, EngineConfig
 from strata.models.transformers.attention import LAYER_NAME_ATTR
+
+logger = logging.getLogger("strata.compilation")
 
 
 def cache_key(config: EngineConfig) -> str:
@@ -38,12 +43,20 @@ def cache_key(config: EngineConfig) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+# A step has at least one token. Told so, the compiler can resolve HF's `reshape(*shape, -1)` on tensors
+# whose token count is unbacked (the -1 is only defined for a non-empty tensor).
+
+
 def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> Any:
+    torch._check(input_ids.shape[1] > 0)
     return model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
 
 
-def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return type(layer).forward(layer, *args, **kwargs)
+def _layer_forward(
+    layer: nn.Module, hidden_states: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    torch._check(hidden_states.shape[1] > 0)
+    return type(layer).forward(layer, hidden_states, *args, **kwargs)
 
 
 def _fresh(fn: Any, name: str) -> Any:
@@ -62,11 +75,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _mark_token_dim(args: Any, num_tokens: int) -> None:
-    """Mark dim 1 (the token dim of HF's `[1, tokens, ...]` tensors) of every tensor that has it unbacked."""
-    for value in torch.utils._pytree.tree_leaves(args):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == num_tokens:
-            torch._dynamo.decorators.mark_unbacked(value, 1)
+def _with_unbacked_dims(args: Any, dims: Callable[[torch.Tensor], Sequence[int]]) -> Any:
+    """`args` with each tensor replaced by an alias whose `dims(tensor)` are marked unbacked for tracing.
+
+    Aliases, so the caller's tensors stay unmarked: a saved trace's guards do not know the marks, and the
+    trace in use must check its guards as the saved one will.
+    """
+
+    def marked(tensor: torch.Tensor) -> torch.Tensor:
+        alias = tensor.detach()
+        for dim in dims(tensor):
+            torch._dynamo.decorators.mark_unbacked(alias, dim)
+        return alias
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, marked, args)
 
 
 # transformers registers each model class it builds in this global; another engine building another
@@ -75,31 +97,130 @@ _UNGUARDED_GLOBALS = ("_CAN_RECORD_REGISTRY",)
 
 
 def _keep_guards(entries: list[Any]) -> list[bool]:
-    """Dynamo's guard filter: drop guards that would recompile for reasons that cannot change the graph.
+    """Dynamo's guard filter: drop guards that would recompile for reasons that cannot change the graph, and
+    those a saved trace cannot hold.
 
     A layer's name is fixed when the model is built, and with `LayerName` the name is a graph input that
     the pieces never specialise on, so guarding its value would only cost one comparison per layer per step.
+    Identity guards (this very module or function object) cannot outlive the process; a trace loaded from
+    disk is checked against the next process's objects by their types, attributes and tensor properties.
     """
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaveable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     return [
-        not isinstance(entry.value, LayerName) and not any(name in entry.name for name in _UNGUARDED_GLOBALS)
+        not isinstance(entry.value, LayerName)
+        and not any(name in entry.name for name in _UNGUARDED_GLOBALS)
+        and entry.guard_type not in unsaveable
+        and not set(entry.derived_guard_types or ()) & unsaveable
         for entry in entries
     ]
 
 
-def _call_layer(
-    compiled: Any, layer: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
-) -> Any:
-    _mark_token_dim((hidden_states, args, kwargs), hidden_states.shape[1])
-    return compiled(layer, hidden_states, *args, **kwargs)
+class TracedFunction:
+    """One function Dynamo traces ahead of time (`aot_compile`), with each trace saved to and loaded from disk.
+
+    A trace holds for the calls its guards accept. `select` returns the first trace whose guards accept the
+    arguments, tracing a new one only when none does, so a decoder layer whose attributes differ from the
+    others' (a sliding-window layer, say) gets a trace of its own and never runs another layer's graph. Traces
+    are saved as `<name>-<index>.dynamo` beside the compiled pieces and loaded on the next start: a warm start
+    runs neither Dynamo nor Inductor.
+    """
+
+    def __init__(self, fn: Any, backend: StrataBackend, cache_dir: Path | None, check_guards: bool) -> None:
+        self.fn = fn
+        self.backend = backend
+        self.cache_dir = cache_dir
+        self.check_guards = check_guards
+        self.traces: list[Any] = self._load() if cache_dir is not None else []
+
+    def _path(self, index: int) -> Path:
+        assert self.cache_dir is not None
+        return self.cache_dir / f"{self.fn.__name__}-{index}.dynamo"
+
+    def _load(self) -> list[Any]:
+        traces = []
+        start = time.perf_counter()
+        while (path := self._path(len(traces))).is_file():
+            try:
+                traces.append(self._deserialize(path.read_bytes(), loaded=True))
+            except Exception as exc:  # any unreadable trace is traced again, not fatal
+                logger.warning("could not load the saved trace %s (%s); tracing again", path, exc)
+                break
+        if traces:
+            self.backend.stats.seconds += time.perf_counter() - start
+            self.backend.log_summary()
+        return traces
+
+    def _deserialize(self, data: bytes, loaded: bool) -> Any:
+        """A trace from its saved bytes. Tensor guards are rebuilt from the saved tensors: built in inference
+        mode, as the engine runs, they expect the dispatch keys of the engine's tensors."""
+        with self.backend.loading(count=loaded), torch.inference_mode():
+            trace = AOTCompiledFunction.deserialize(data, f_globals=self.fn.__globals__)
+        if not self.check_guards:
+            trace.disable_guard_check()
+        return trace
+
+    def select(self, args: tuple[Any, ...], unbacked: Callable[[torch.Tensor], Sequence[int]]) -> Any:
+        """The trace for these arguments, traced (and saved) if no earlier one accepts them.
+
+        `unbacked(tensor)` names a tensor's dimensions that vary between calls (traced unbacked). A new trace is
+        used in its saved form, as the next start loads it, so both check their guards alike.
+        """
+        for trace in self.traces:
+            if trace.guard_check(*args):
+                return trace
+        compiled = torch.compile(
+            self.fn,
+            backend=self.backend,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": _keep_guards},
+        )
+        data = AOTCompiledFunction.serialize(
+            compiled.aot_compile((_with_unbacked_dims(args, unbacked), {}))
+        ).serialized_data
+        if self.cache_dir is not None:
+            _save_atomically(lambda tmp: Path(tmp).write_bytes(data), self._path(len(self.traces)))
+        self.traces.append(self._deserialize(data, loaded=False))
+        return self.traces[-1]
+
+
+class _LayerCall:
+    """A decoder layer's forward through its trace: the first call selects the trace, later calls reuse it."""
+
+    def __init__(self, traced: TracedFunction, layer: nn.Module) -> None:
+        self.traced = traced
+        self.layer = layer
+        self.trace: Any = None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # A saved trace's guard state pickles the layer module with its `__dict__`, this wrapper included;
+        # the wrapper is this process's state (it reaches the compiled pieces), so it is saved as nothing.
+        return type(None), ()
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.trace is None or self.traced.check_guards:
+            tokens = hidden_states.shape[1]  # dim 1 of HF's [1, tokens, ...] tensors
+
+            def unbacked(tensor: torch.Tensor) -> Sequence[int]:
+                return (1,) if tensor.dim() >= 2 and tensor.shape[1] == tokens else ()
+
+            self.trace = self.traced.select((self.layer, hidden_states, args, kwargs), unbacked)
+        return self.trace(self.layer, hidden_states, args, kwargs)
 
 
 class CompiledForward:
-    """`model(input_ids, positions, keep) -> logits` through `torch.compile` with Strata's backend.
+    """`model(input_ids, positions, keep) -> logits` traced by Dynamo ahead of time with Strata's backend.
 
     The token count and the number of kept rows are marked unbacked, so the first trace holds for every
-    batch size, one included (a backed size of 1 would be specialised). Each engine compiles its own copy
-    of the forward's code object: Dynamo keeps its cache per code object, so engines in one process neither
-    share nor evict each other's entries.
+    batch size, one included (a backed size of 1 would be specialised). Each engine traces its own copy of
+    the forward's code object, named for what it is, which also names its saved traces.
+
+    Guards are checked when a trace is chosen: in mode "model" on the first step, in mode "layer" on each
+    layer's first call. After that nothing a guard checks can change (the token count is unbacked, the
+    weights and names are fixed per engine), so evaluating them every step (about 1 ms a step for a small
+    model) would only cost time; `evaluate_guards` keeps them on every call, to prove that in tests.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
@@ -110,9 +231,14 @@ class CompiledForward:
         self.backend = StrataBackend(self.passes, cache_dir)
         self.model = model
         self.evaluate_guards = compilation.evaluate_guards
-        self._compiled: Any = None
+
+        def traced(name: str, fn: Any) -> TracedFunction:
+            return TracedFunction(_fresh(fn, name), self.backend, cache_dir, compilation.evaluate_guards)
+
+        self._forward: TracedFunction | None = None
+        self._trace: Any = None
         if compilation.mode == "model":
-            self._compiled = self._compile(_fresh(_forward, "strata_forward"))
+            self._forward = traced("strata_forward", _forward)
             return
         # "layer": Dynamo traces the decoder layer's forward once and every layer reuses it (with
         # LayerName the layers differ only in parameters and name, both graph inputs). With str names
@@ -123,37 +249,20 @@ class CompiledForward:
                 f"compilation mode 'layer' needs a list of decoder layers; {type(model).__name__} has none "
                 "Strata recognises; use mode 'model'"
             )
-        shared = (
-            self._compile(_fresh(_layer_forward, "strata_layer_forward"))
-            if compilation.use_layer_name
-            else None
-        )
+        shared = traced("strata_layer_forward", _layer_forward) if compilation.use_layer_name else None
         for index, layer in enumerate(layers):
-            compiled = shared or self._compile(_fresh(_layer_forward, f"strata_layer_{index}_forward"))
-            layer.forward = functools.partial(_call_layer, compiled, layer)
-
-    def _compile(self, fn: Any) -> Any:
-        return torch.compile(
-            fn, backend=self.backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": _keep_guards}
-        )
+            layer_traced = shared or traced(f"strata_layer_{index}_forward", _layer_forward)
+            layer.forward = _LayerCall(layer_traced, layer)
 
     @property
     def stats(self) -> CompileStats:
         return self.backend.stats
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        if self.stats.dynamo_graphs and not self.evaluate_guards:
-            # Traced: nothing a guard checks can change any more (the token count is unbacked, the weights
-            # and names are fixed per engine), so evaluating the guards (about 1 ms a step for a small model)
-            # only costs time. `evaluate_guards` keeps them, to prove that in tests.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._call(input_ids, positions, keep)
-        return self._call(input_ids, positions, keep)
-
-    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        if self._compiled is None:
+        if self._forward is None:
             return _forward(self.model, input_ids, positions, keep)
-        torch._dynamo.decorators.mark_unbacked(input_ids, 1)
-        torch._dynamo.decorators.mark_unbacked(positions, 1)
-        torch._dynamo.decorators.mark_unbacked(keep, 0)
-        return self._compiled(self.model, input_ids, positions, keep)
+        if self._trace is None or self.evaluate_guards:
+            # The token dim of input_ids and positions ([1, tokens]) and the kept rows (1-D) vary per step.
+            args = (self.model, input_ids, positions, keep)
+            self._trace = self._forward.select(args, lambda tensor: (1,) if tensor.dim() == 2 else (0,))
+        return self._trace(self.model, input_ids, positions, keep)

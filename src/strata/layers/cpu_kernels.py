@@ -29,7 +29,7 @@ from strata import envs
 logger = logging.getLogger("strata.layers.cpu_kernels")
 
 
-def _cpu_description() -> str:
+def cpu_description() -> str:
     """What `-march=native` compiles for: the CPU model and flags (Linux), else the processor name."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -56,7 +56,7 @@ def _build(name: str, compiler: str) -> Path:
     command = _compile_command(compiler, source, "TARGET")
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\n".join([source.read_text(), *headers, *command, torch.__version__, _cpu_description()]).encode()
+        "\n".join([source.read_text(), *headers, *command, torch.__version__, cpu_description()]).encode()
     ).hexdigest()[:20]
     target = Path(envs.cache_root()) / "kernels" / f"{name}-{key}.so"
     if target.is_file():

@@ -17,6 +17,7 @@ from torch import nn
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
 from strata.attention.ops import prepare_backend
 from strata.compilation.compiler import CompiledForward
+from strata.compilation.warmup import InductorWarmup
 from strata.config import ConfigError, EngineConfig
 from strata.engine.scheduler import ScheduledSequence
 from strata.models.transformers.loader import build_model
@@ -54,12 +55,15 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model: nn.Module
         compilation = config.compilation_config
+        warmup = InductorWarmup() if compilation.compile and self.device.type == "cpu" else None
         self.model, self.layers = build_model(
             config.model_config, config.layer_config, bool(compilation.use_layer_name)
         )
         self.model.to(self.device)
         self.compiled: CompiledForward | None = None
         if compilation.compile:
+            if warmup is not None:
+                warmup.wait()
             self.compiled = CompiledForward(self.model, config)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()

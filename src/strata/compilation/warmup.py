@@ -1,0 +1,82 @@
+"""Inductor's once-per-process CPU setup: remembered per machine, and run in the background.
+
+Running a compiled piece on the CPU makes Inductor pick the SIMD instruction set. It checks each candidate
+the CPU lists by building a probe and loading it in a child Python process: about 0.2 s per candidate,
+1.4 s on an AVX-512 machine, in every process. The outcome is a property of the machine, so Strata records
+it (per CPU, torch version and compiler) under `STRATA_CACHE_ROOT`; where every candidate passed, later
+processes set Inductor's own switch for a machine known to pass (`cpp.vec_isa_ok`) and skip the probes.
+What is left of the check runs on a background thread while the engine builds its model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from strata import envs
+from strata.layers.cpu_kernels import cpu_description
+
+logger = logging.getLogger("strata.compilation")
+
+
+def _record_path() -> Path:
+    key = "\n".join([cpu_description(), torch.__version__, os.environ.get("CXX", "")])
+    return (
+        Path(envs.cache_root()) / "inductor" / f"vec-isa-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    )
+
+
+def _candidates() -> list[str]:
+    """The instruction sets Inductor would probe here: those whose CPU flags the machine lists (x86 only;
+    elsewhere Inductor does not probe)."""
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [
+        str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(f in flags for f in str(isa).split())
+    ]
+
+
+def _check_instruction_sets() -> None:
+    from torch._inductor import config, cpu_vec_isa
+
+    path = _record_path()
+    candidates = _candidates()
+    if config.cpp.vec_isa_ok is None and candidates and path.is_file():
+        config.cpp.vec_isa_ok = json.loads(path.read_text()).get("passed") == candidates or None
+    cpu_vec_isa.pick_vec_isa()  # cached for the process
+    if config.cpp.vec_isa_ok is None and candidates:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"passed": passed}))
+        os.replace(tmp, path)
+
+
+def _check_in_background() -> None:
+    try:
+        _check_instruction_sets()
+    except Exception as exc:  # the engine's own load hits the same path and reports it there
+        logger.debug("Inductor's instruction-set check failed in the background: %s", exc)
+
+
+class InductorWarmup:
+    """Starts Inductor's instruction-set check on a background thread; `wait` before compiling or loading."""
+
+    def __init__(self) -> None:
+        self._thread = threading.Thread(
+            target=_check_in_background, name="strata-inductor-warmup", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self) -> None:
+        self._thread.join()
