@@ -56,6 +56,12 @@ def _stats(llm: LLM) -> Any:
     return compiled.stats
 
 
+def _layer_kinds(llm: LLM) -> int:
+    """How many kinds of decoder layer the model has (Gemma 3 mixes sliding-window and full attention)."""
+    kinds = llm.apply_model(lambda m: set(getattr(m.config, "layer_types", None) or ["full_attention"]))
+    return len(kinds)
+
+
 def _pass_counts(llm: LLM) -> dict[str, int]:
     compiled = llm.engine.runner.compiled
     assert compiled is not None
@@ -74,6 +80,7 @@ CASES = [
     ("bundled", "default", True, True, "layer"),  # one decoder layer traced once, reused by all
     ("qwen3", "default", True, False, "layer"),
     ("bundled", "default", False, False, "layer"),  # str names: each layer its own frame and graph
+    ("gemma3", "default", True, False, "layer"),  # sliding and full layers: one trace per kind
 ]
 Case = tuple[str, str, bool, bool, str]
 
@@ -138,7 +145,7 @@ def test_one_dynamo_graph_serves_every_batch_size_and_layer(
     # Prefill of three prompts, decode batches of 3, 2 and 1: still the first graph(s), no recompilation.
     # In "layer" mode with str names each layer is its own frame by design: one graph per layer.
     per_layer_frames = case[4] == "layer" and not case[2]
-    graphs = _num_layers(llm) if per_layer_frames else 1
+    graphs = _num_layers(llm) if per_layer_frames else _layer_kinds(llm) if case[4] == "layer" else 1
     assert _stats(llm).dynamo_graphs == graphs
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
     assert _stats(llm).dynamo_graphs == graphs

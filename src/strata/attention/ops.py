@@ -73,7 +73,7 @@ def _unified_attention(
 ) -> torch.Tensor:
     """Attend over `layer_name`'s cache (this step's K/V already written); query/out [T, H, D]."""
     kv_cache, metadata = _cache_and_metadata(layer_name)
-    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
 
 
 def _unified_attention_fake(
@@ -84,7 +84,7 @@ def _unified_attention_fake(
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, as the real op returns it, whatever query's layout
 
 
 def _attention_with_kv_write(
@@ -99,7 +99,7 @@ def _attention_with_kv_write(
     """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache, then attend; query/out [T, H, D]."""
     kv_cache, metadata = _cache_and_metadata(layer_name)
     write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
 
 
 def _attention_with_kv_write_fake(
@@ -111,7 +111,7 @@ def _attention_with_kv_write_fake(
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    return torch.empty_like(query)
+    return query.new_empty(query.shape)  # contiguous, as the real op returns it, whatever query's layout
 
 
 kv_cache_update = LayerNameOp("kv_cache_update", _kv_cache_update, _kv_cache_update_fake)
