@@ -253,11 +253,12 @@ class CompilationConfig:
     not named take `FUSION_PASSES_ON` (none: the only pass, `fuse_kv_write_into_attention`, measured
     slower on the CPU). `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
     STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
-    decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for all, so
-    compile time is flat in depth (embedding and head stay eager; decode pays a guard check per layer).
-    `evaluate_guards` keeps Dynamo's guard checks on every call after the first trace; off, they are
-    skipped (nothing they check changes within an engine), which saves about a millisecond a step. Tests
-    turn it on to prove that no batch size would have recompiled.
+    decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for every
+    layer of the same kind, so compile time is flat in depth (embedding, head and the loop over layers stay
+    eager). Traces are saved with the compiled pieces, so a second start does neither. Guards pick the trace
+    for the first call (per layer in "layer" mode); `evaluate_guards` checks them on every call, off they
+    are skipped afterwards (nothing they check changes within an engine), which saves about a millisecond
+    a step. Tests turn it on to prove that no batch size would have needed another trace.
     """
 
     compile: bool | None = None

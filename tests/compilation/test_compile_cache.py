@@ -133,3 +133,17 @@ def test_layer_name_wraps_a_string() -> None:
     with pytest.raises(TypeError, match="LayerName value"):
         LayerName(3)  # type: ignore[arg-type]
     assert torch.ops.strata.kv_cache_update_str.default._schema.arguments[2].type.str() == "str"
+
+
+@pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
+def test_unreadable_saved_trace_is_traced_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged trace file costs a new trace (with a warning), never a failed start or wrong output."""
+    expected = _compiled_llm(tmp_path, "model").generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    (trace,) = tmp_path.rglob("*.dynamo")
+    trace.write_bytes(b"not a trace")
+    caplog.set_level("WARNING", logger="strata.compilation")
+    again = _compiled_llm(tmp_path, "model")
+    assert again.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == expected
+    stats = again.engine.runner.compiled.stats  # type: ignore[union-attr]
+    assert stats.dynamo_graphs == 1 and stats.compiled == 0
+    assert any("could not load the saved trace" in r.getMessage() for r in caplog.records)
