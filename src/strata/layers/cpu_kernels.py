@@ -127,8 +127,29 @@ def _register_paged_decode_attention_fake() -> None:
         return query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
 
 
+def _register_rms_norm_fake() -> None:
+    """Outputs of `strata_cpu::rms_norm` and `strata_cpu::fused_add_rms_norm` for `torch.compile`: x's shape,
+    in x's dtype for Gemma's norm (`weight_offset`) and in `weight * x`'s for Llama's; the sum in x's."""
+
+    def out_dtype(x: torch.Tensor, weight: torch.Tensor, weight_offset: bool) -> torch.dtype:
+        return x.dtype if weight_offset else torch.promote_types(x.dtype, weight.dtype)
+
+    @torch.library.register_fake("strata_cpu::rms_norm")
+    def _rms_norm_fake(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: bool
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape, dtype=out_dtype(x, weight, weight_offset))
+
+    @torch.library.register_fake("strata_cpu::fused_add_rms_norm")
+    def _fused_add_rms_norm_fake(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.new_empty(x.shape, dtype=out_dtype(x, weight, weight_offset)), x.new_empty(x.shape)
+
+
 # Each kernel's ops need their fake implementations registered once the library is loaded.
 _FAKE_REGISTRATIONS = {
     "small_batch_linear": _register_linear_fake,
     "paged_decode_attention": _register_paged_decode_attention_fake,
+    "rms_norm": _register_rms_norm_fake,
 }
