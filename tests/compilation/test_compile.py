@@ -180,7 +180,7 @@ def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str,
 def test_fusion_pass_matches_every_layer(runs: Callable[..., dict[str, Any]], use_layer_name: bool) -> None:
     run = runs(("bundled", "default", use_layer_name, True, "model"))
     llm = run["llm"]
-    assert _pass_counts(llm) == {"fuse_kv_write_into_attention": _num_layers(llm)}
+    assert _pass_counts(llm)["fuse_kv_write_into_attention"] == _num_layers(llm)
     assert run["tokens"] == run["eager_tokens"]
     names = llm.apply_model(
         lambda m: [m_.strata_layer_name for m_ in m.modules() if hasattr(m_, "strata_layer_name")]
@@ -189,7 +189,28 @@ def test_fusion_pass_matches_every_layer(runs: Callable[..., dict[str, Any]], us
 
 
 def test_switched_off_pass_does_not_run(runs: Callable[..., dict[str, Any]]) -> None:
-    assert _pass_counts(runs(("bundled", "default", False, False, "model"))["llm"]) == {}
+    assert "fuse_kv_write_into_attention" not in _pass_counts(
+        runs(("bundled", "default", False, False, "model"))["llm"]
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_residual_add_fuses_into_every_rms_norm(runs: Callable[..., dict[str, Any]], case: Any) -> None:
+    """Every residual add feeding a norm is fused where the norm is Strata's CPU kernel: two per layer over
+    the whole forward (the attention residual into the next norm, the MLP residual into the next layer's or
+    the final norm), one per traced layer (the MLP residual feeds the next layer, outside the trace; Gemma
+    norms the attention output, adds, then norms again: also one). The hw-agnostic norm is plain tensor
+    math for Inductor to fuse itself, so there is nothing to match. Outputs: the matches-eager test."""
+    run = runs(case)
+    _, layer_impl, _, _, mode = case
+    llm = run["llm"]
+    if layer_impl == "hw-agnostic":
+        expected = 0
+    elif mode == "model":
+        expected = 2 * _num_layers(llm)
+    else:
+        expected = _stats(llm).dynamo_graphs
+    assert _pass_counts(llm)["fuse_residual_add_into_rms_norm"] == expected
 
 
 def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(

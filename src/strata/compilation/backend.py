@@ -263,7 +263,9 @@ class CompiledGraph(SerializableCallable):
                 _drop_trace_metadata(module.graph)
         _drop_trace_metadata(fn.split.graph)
         saved = fx.GraphModule(modules, fn.split.graph)
-        return pickle.dumps({"split": GraphPickler.dumps(saved, Options(ops_filter=None)), "keys": fn.piece_keys})
+        return pickle.dumps(
+            {"split": GraphPickler.dumps(saved, Options(ops_filter=None)), "keys": fn.piece_keys}
+        )
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> CompiledGraph:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
-from strata import __version__
+from strata import __version__, envs
 from strata.compilation.backend import CompileStats, StrataBackend, _save_atomically
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
@@ -39,6 +39,7 @@ def cache_key(config: EngineConfig) -> str:
         "use_layer_name": compilation.use_layer_name,
         "passes": sorted(compilation.passes.items()),
         "device": config.device,
+        "cpu_kernels": not envs.disable_cpu_kernels(),  # the traced graph calls them where they load
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

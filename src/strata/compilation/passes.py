@@ -1,5 +1,11 @@
 """Strata's FX passes, run on Dynamo's graph of the whole forward before it is split at attention.
 
+`fuse_residual_add_into_rms_norm` turns `rms_norm(a + b)`, where HF writes the residual add and the next
+norm separately, into `fused_add_rms_norm(a, b) -> (normed, a + b)`: one pass over the hidden state instead
+of two. It applies where the norm is Strata's own CPU kernel (an opaque op, which Inductor cannot fuse
+with the add on its own); with the hw-agnostic norm Inductor sees plain tensor math and fuses the add
+itself, so the pass finds nothing there.
+
 `fuse_kv_write_into_attention` turns `unified_attention(q, kv_cache_update(k, v, name), name, ...)` into
 `attention_with_kv_write(q, k, v, name, ...)`: one custom-op call per layer instead of two, and no
 dependency tensor. It is off by default: measured on CPU decode it made things slightly slower (README), so
@@ -15,9 +21,11 @@ count replacements in both settings.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._inductor.pattern_matcher import (
     CallFunction,
@@ -98,11 +106,58 @@ def _replace_with_fused(pattern_name: Any, variant: str | LayerName) -> Callable
     return replace
 
 
+def _is_call(node: Any, targets: Sequence[Any]) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _same_tensor_type(*nodes: fx.Node) -> bool:
+    """Whether the trace recorded every node as a tensor of one shape and dtype (no broadcast, no promotion)."""
+    values = [node.meta.get("example_value") for node in nodes]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return False
+    return all(v.shape == values[0].shape and v.dtype == values[0].dtype for v in values)
+
+
+def fuse_residual_add_into_rms_norm(gm: fx.GraphModule) -> int:
+    """Replace `rms_norm(a + b, w, eps, offset)` by `fused_add_rms_norm(a, b, w, eps, offset)`; the add's other
+    users (the next residual) take the fused op's sum. Returns the number of replacements."""
+    ops = torch.ops.strata_cpu
+    if not (hasattr(ops, "rms_norm") and hasattr(ops, "fused_add_rms_norm")):
+        return 0  # the kernel is not loaded: norms are not opaque ops in this graph
+    norms = (ops.rms_norm, ops.rms_norm.default)
+    adds = (operator.add, torch.add, torch.ops.aten.add.Tensor)
+    count = 0
+    for norm in list(gm.graph.nodes):
+        if not _is_call(norm, norms) or norm.kwargs:
+            continue
+        total, *rest = norm.args
+        if not _is_call(total, adds) or total.kwargs or len(total.args) != 2:
+            continue
+        a, b = total.args
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node) and _same_tensor_type(a, b, total)):
+            continue
+        graph = gm.graph
+        with graph.inserting_before(norm):
+            fused = graph.call_function(ops.fused_add_rms_norm.default, (a, b, *rest))
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            new_total = graph.call_function(operator.getitem, (fused, 1))
+        normed.meta.update(norm.meta)
+        new_total.meta.update(total.meta)
+        norm.replace_all_uses_with(normed)
+        total.replace_all_uses_with(new_total)
+        graph.erase_node(norm)
+        graph.erase_node(total)
+        count += 1
+    return count
+
+
 def build_passes(
     layer_names: Sequence[str | LayerName], enabled: Callable[[str], bool]
 ) -> dict[str, GraphPass]:
     """The enabled passes for a model with these (encoded) attention layer names, in the order they run."""
     passes: dict[str, GraphPass] = {}
+    if enabled("fuse_residual_add_into_rms_norm"):
+        passes["fuse_residual_add_into_rms_norm"] = fuse_residual_add_into_rms_norm
     if enabled("fuse_kv_write_into_attention"):
         passes["fuse_kv_write_into_attention"] = fuse_kv_write_into_attention(layer_names)
     return passes
