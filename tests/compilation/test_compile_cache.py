@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +140,9 @@ def test_layer_name_wraps_a_string() -> None:
 @pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
 def test_unreadable_saved_trace_is_traced_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A damaged trace file costs a new trace (with a warning), never a failed start or wrong output."""
-    expected = _compiled_llm(tmp_path, "model").generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    expected = (
+        _compiled_llm(tmp_path, "model").generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    )
     (trace,) = tmp_path.rglob("*.dynamo")
     trace.write_bytes(b"not a trace")
     caplog.set_level("WARNING", logger="strata.compilation")
@@ -147,3 +151,26 @@ def test_unreadable_saved_trace_is_traced_again(tmp_path: Path, caplog: pytest.L
     stats = again.engine.runner.compiled.stats  # type: ignore[union-attr]
     assert stats.dynamo_graphs == 1 and stats.compiled == 0
     assert any("could not load the saved trace" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="Inductor probes ISAs only on x86")
+def test_instruction_set_check_is_recorded_and_reused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first process records which SIMD instruction sets passed Inductor's probes; a later one, finding
+    every candidate passed, sets Inductor's own switch instead of probing again."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import cpu_vec_isa
+
+    from strata.compilation import warmup
+
+    monkeypatch.setenv("STRATA_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)
+    warmup.check_instruction_sets()
+    (record,) = (tmp_path / "inductor").glob("vec-isa-*.json")
+    passed = json.loads(record.read_text())["passed"]
+    assert passed == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    assert inductor_config.cpp.vec_isa_ok is None  # the first process probed
+    warmup.check_instruction_sets()
+    assert inductor_config.cpp.vec_isa_ok is (True if passed == warmup._candidates() else None)
+    warmup.InductorWarmup().wait()  # the engine's way: on a thread, whose setting stays its own

@@ -5,7 +5,9 @@ the CPU lists by building a probe and loading it in a child Python process: abou
 1.4 s on an AVX-512 machine, in every process. The outcome is a property of the machine, so Strata records
 it (per CPU, torch version and compiler) under `STRATA_CACHE_ROOT`; where every candidate passed, later
 processes set Inductor's own switch for a machine known to pass (`cpp.vec_isa_ok`) and skip the probes.
-What is left of the check runs on a background thread while the engine builds its model.
+The check runs on a background thread while the engine builds its model; Inductor's settings are
+thread-local, so the switch stays the checking thread's, and the process keeps only the instruction sets it
+found (Inductor caches them per process).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _candidates() -> list[str]:
     ]
 
 
-def _check_instruction_sets() -> None:
+def check_instruction_sets() -> None:
+    """Pick Inductor's instruction set for this process, using and keeping the per-machine record."""
     from torch._inductor import config, cpu_vec_isa
 
     path = _record_path()
@@ -64,7 +67,7 @@ def _check_instruction_sets() -> None:
 
 def _check_in_background() -> None:
     try:
-        _check_instruction_sets()
+        check_instruction_sets()
     except Exception as exc:  # the engine's own load hits the same path and reports it there
         logger.debug("Inductor's instruction-set check failed in the background: %s", exc)
 
