@@ -305,6 +305,12 @@ class EngineConfig:
     layer_config: LayerConfig = field(default_factory=LayerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
+    # None takes STRATA_ADAPTIVE_THREADS (on): the CPU thread count follows measured step times.
+    adaptive_threads: bool | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config.finalize(self.model_config.max_model_len)
+        if self.adaptive_threads is None:
+            self.adaptive_threads = envs.adaptive_threads_default()
+        if not isinstance(self.adaptive_threads, bool):
+            raise ConfigError(f"adaptive_threads must be a bool, got {self.adaptive_threads!r}")

@@ -81,3 +81,9 @@ def disable_compile_cache() -> bool:
 def disable_cpu_kernels() -> bool:
     """STRATA_DISABLE_CPU_KERNELS=1: never build or use Strata's C++ CPU kernels (ATen everywhere)."""
     return _get_bool("STRATA_DISABLE_CPU_KERNELS", False)
+
+
+def adaptive_threads_default() -> bool:
+    """STRATA_ADAPTIVE_THREADS: let the engine lower (and raise again) its CPU thread count when measured
+    steps show that fewer threads are faster, as when another process takes a core (on)."""
+    return _get_bool("STRATA_ADAPTIVE_THREADS", True)

@@ -81,6 +81,7 @@ class LLM:
         compile: bool | None = None,
         compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
         quantization: str | None = None,
+        adaptive_threads: bool | None = None,
     ) -> None:
         model_config = ModelConfig(
             model=model if model is not None else default_model(),
@@ -113,6 +114,7 @@ class LLM:
                     layer_impl=layer_impl, custom_ops=["all"] if custom_ops is None else custom_ops
                 ),
                 compilation_config=_compilation_config(compile, compilation_config),
+                adaptive_threads=adaptive_threads,
             )
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from strata.compilation.warmup import InductorWarmup
 from strata.config import ConfigError, EngineConfig
 from strata.engine.scheduler import ScheduledSequence
 from strata.models.transformers.loader import build_model
+from strata.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger("strata.worker")
 
@@ -65,6 +67,11 @@ class ModelRunner:
             if warmup is not None:
                 warmup.wait()
             self.compiled = CompiledForward(self.model, config)
+        self.thread_tuner = (
+            ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
+            if config.adaptive_threads and self.device.type == "cpu" and torch.get_num_threads() > 1
+            else None
+        )
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
         prepare_backend(self.device)
@@ -159,6 +166,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> ModelOutput:
+        start = time.perf_counter()
         input_ids, positions, metadata = self._prepare(scheduled)
         rows: list[int] = []
         sample_rows: list[int] = []
@@ -183,4 +191,6 @@ class ModelRunner:
                 logits = self.model(
                     input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
                 ).logits[0]
+        if self.thread_tuner is not None:
+            self.thread_tuner.observe((len(scheduled), input_ids.shape[1]), time.perf_counter() - start)
         return ModelOutput(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)

@@ -1,0 +1,93 @@
+"""Chooses the CPU thread count from the engine's own step times, and keeps checking it.
+
+Every parallel op ends at a barrier, so a step is as slow as its slowest thread. When another process
+takes one of the cores, the thread sharing that core is descheduled for whole time slices and every
+barrier waits for it: two threads on a two-core machine with a busy neighbour decode about 3x slower than
+one thread would. The right count therefore depends on what else runs on the machine, and changes.
+
+`ThreadTuner` watches runs of identical steps (same number of sequences and tokens, so the same work).
+Every `period` steps it takes the median time of the last `window` such steps as the baseline, runs the
+next `window` identical steps with one thread fewer (or, below the configured count, one more), and keeps
+whichever count was faster by more than the noise margin. A probe that meets a different step shape is
+abandoned. On a quiet machine a probe costs `window` slower steps every `period` (about 1-2%).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable
+
+logger = logging.getLogger("strata.worker")
+
+StepShape = tuple[int, int]  # (sequences, tokens) of one step
+
+
+class ThreadTuner:
+    """Feed it every step's shape and seconds (`observe`); it calls `set_threads` when it changes count."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        set_threads: Callable[[int], None],
+        window: int = 16,
+        period: int = 512,
+        margin: float = 0.05,
+    ) -> None:
+        if max_threads < 1 or window < 1 or period <= 2 * window:
+            raise ValueError("need max_threads >= 1, window >= 1 and period > 2 * window")
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.set_threads = set_threads
+        self.window = window
+        self.period = period
+        self.margin = margin
+        self._shape: StepShape | None = None
+        self._times: list[float] = []  # the current run of identical steps at `self.threads`
+        self._since_probe = 0
+        self._baseline: float | None = None  # median seconds at `_return_to` while probing
+        self._return_to = max_threads
+        self._probe_fewer = False
+
+    @property
+    def probing(self) -> bool:
+        return self._baseline is not None
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape != self._shape:
+            self._shape, self._times = shape, []
+            if self.probing:  # other work: the probe's times would not compare
+                self._switch(self._return_to)
+                self._baseline = None
+        self._times.append(seconds)
+        self._since_probe += 1
+        if len(self._times) < self.window:
+            return
+        recent = statistics.median(self._times[-self.window :])
+        if self.probing:
+            assert self._baseline is not None
+            if recent > self._baseline * (1 - self.margin):
+                self._switch(self._return_to)  # not clearly faster: back to what ran before
+            else:
+                logger.info("%d threads run this step %.0f%% faster: keeping them", self.threads,
+                            100 * (1 - recent / self._baseline))  # fmt: skip
+            self._baseline, self._times, self._since_probe = None, [], 0
+        elif self._since_probe >= self.period and self.max_threads > 1:
+            self._baseline, self._return_to = recent, self.threads
+            self._switch(self._candidate())
+            self._times = []
+
+    def _candidate(self) -> int:
+        """The count to probe: one fewer from the configured count, one more from a single thread, and in
+        between alternately one fewer and one more."""
+        if self.threads == self.max_threads:
+            return self.threads - 1
+        if self.threads == 1:
+            return 2
+        self._probe_fewer = not self._probe_fewer
+        return self.threads - 1 if self._probe_fewer else self.threads + 1
+
+    def _switch(self, threads: int) -> None:
+        if threads != self.threads:
+            self.threads = threads
+            self.set_threads(threads)

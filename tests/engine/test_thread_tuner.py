@@ -1,0 +1,83 @@
+"""ThreadTuner: the thread count follows measured step times (a machine model stands in for the clock)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from strata import LLM, SamplingParams
+from strata.worker.thread_tuner import ThreadTuner
+
+DECODE = (1, 1)  # one sequence, one token: a batch-1 decode step
+
+
+def _run(
+    tuner: ThreadTuner, seconds: Callable[[int], float], steps: int, shape: tuple[int, int] = DECODE
+) -> list[int]:
+    """Feed `steps` steps whose duration depends on the thread count; the counts each step ran with."""
+    counts = []
+    for _ in range(steps):
+        counts.append(tuner.threads)
+        tuner.observe(shape, seconds(tuner.threads))
+    return counts
+
+
+def _tuner(max_threads: int = 2) -> tuple[ThreadTuner, list[int]]:
+    calls: list[int] = []
+    return ThreadTuner(max_threads, calls.append, window=4, period=20), calls
+
+
+QUIET = {1: 1.0, 2: 0.6}.__getitem__  # two threads faster
+BUSY_NEIGHBOUR = {1: 1.0, 2: 3.0}.__getitem__  # a descheduled thread stalls every barrier
+
+
+def test_quiet_machine_keeps_every_thread_and_probes_rarely() -> None:
+    tuner, calls = _tuner()
+    counts = _run(tuner, QUIET, 200)
+    assert tuner.threads == 2 and calls[-1] == 2
+    assert counts.count(1) <= 4 * (200 // 20)  # at most one window per period on the slower count
+
+
+def test_busy_neighbour_drops_to_one_thread_and_recovers_when_it_leaves() -> None:
+    tuner, _ = _tuner()
+    counts = _run(tuner, BUSY_NEIGHBOUR, 100)
+    assert tuner.threads == 1 and counts[-20:].count(1) >= 16
+    _run(tuner, QUIET, 100)  # the neighbour is gone: a probe of two threads wins again
+    assert tuner.threads == 2
+
+
+def test_probe_meeting_other_work_is_abandoned() -> None:
+    """A probe compares identical steps only: when the shape changes mid-probe it returns to the count
+    that ran before, whatever the times say."""
+    tuner, _ = _tuner()
+    _run(tuner, BUSY_NEIGHBOUR, 22)  # baseline taken, probing one thread
+    assert tuner.probing and tuner.threads == 1
+    _run(tuner, BUSY_NEIGHBOUR, 1, shape=(8, 8))
+    assert not tuner.probing and tuner.threads == 2
+
+
+def test_between_one_and_the_maximum_it_tries_both_directions() -> None:
+    tuner, _ = _tuner(max_threads=4)
+    best_at_three = {1: 3.0, 2: 2.0, 3: 1.0, 4: 2.0}.__getitem__
+    _run(tuner, best_at_three, 400)
+    assert tuner.threads == 3
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="period"):
+        ThreadTuner(2, lambda n: None, window=8, period=10)
+
+
+def test_engine_tunes_only_when_asked() -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    on = LLM(skip_tokenizer_init=True, adaptive_threads=True)
+    off = LLM(skip_tokenizer_init=True, adaptive_threads=False)
+    assert (on.engine.runner.thread_tuner is not None) == (torch.get_num_threads() > 1)
+    assert off.engine.runner.thread_tuner is None
+    prompt = {"prompt_token_ids": [1, 43, 47]}
+    assert (
+        on.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        == off.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    )
