@@ -6,7 +6,7 @@ barrier waits for it: two threads on a two-core machine with a busy neighbour de
 one thread would. The right count therefore depends on what else runs on the machine, and changes.
 
 `ThreadTuner` watches runs of identical steps (same number of sequences and tokens, so the same work).
-Every `period` steps it takes the median time of the last `window` such steps as the baseline, runs the
+After the first `window` of them, and then every `period` steps, it takes the median time of the last `window` such steps as the baseline, runs the
 next `window` identical steps with one thread fewer (or, below the configured count, one more), and keeps
 whichever count was faster by more than the noise margin. A probe that meets a different step shape is
 abandoned. On a quiet machine a probe costs `window` slower steps every `period` (about 1-2%).
@@ -44,7 +44,7 @@ class ThreadTuner:
         self.margin = margin
         self._shape: StepShape | None = None
         self._times: list[float] = []  # the current run of identical steps at `self.threads`
-        self._since_probe = 0
+        self._since_probe = period - window  # the first probe follows the first full window
         self._baseline: float | None = None  # median seconds at `_return_to` while probing
         self._return_to = max_threads
         self._probe_fewer = False
