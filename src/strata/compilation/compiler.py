@@ -148,9 +148,7 @@ class TracedFunction:
             except Exception as exc:  # any unreadable trace is traced again, not fatal
                 logger.warning("could not load the saved trace %s (%s); tracing again", path, exc)
                 break
-        if traces:
-            self.backend.stats.seconds += time.perf_counter() - start
-            self.backend.log_summary()
+        self.backend.stats.seconds += time.perf_counter() - start
         return traces
 
     def _deserialize(self, data: bytes, loaded: bool) -> Any:
@@ -240,17 +238,25 @@ class CompiledForward:
         self._trace: Any = None
         if compilation.mode == "model":
             self._forward = traced("strata_forward", _forward)
-            return
-        # "layer": Dynamo traces the decoder layer's forward once and every layer reuses it (with
-        # LayerName the layers differ only in parameters and name, both graph inputs). With str names
-        # each layer gets its own code object, so its name is guarded and baked into its own graph.
+        else:
+            self._compile_layers(model, compilation.use_layer_name, traced)
+        if self.stats.loaded:  # one line for everything the saved traces brought
+            self.backend.log_summary()
+
+    def _compile_layers(
+        self, model: nn.Module, use_layer_name: bool | None, traced: Callable[[str, Any], TracedFunction]
+    ) -> None:
+        """Mode "layer": each decoder layer calls a traced layer forward. With `LayerName` all layers share
+        one `TracedFunction` (they differ in parameters and name, both graph inputs, and in kind, which its
+        guards tell apart); with str names each layer gets its own code object, so its name is guarded and
+        baked into its own graph."""
         layers = decoder_layers(model)
         if not layers:
             raise ConfigError(
                 f"compilation mode 'layer' needs a list of decoder layers; {type(model).__name__} has none "
                 "Strata recognises; use mode 'model'"
             )
-        shared = traced("strata_layer_forward", _layer_forward) if compilation.use_layer_name else None
+        shared = traced("strata_layer_forward", _layer_forward) if use_layer_name else None
         for index, layer in enumerate(layers):
             layer_traced = shared or traced(f"strata_layer_{index}_forward", _layer_forward)
             layer.forward = _LayerCall(layer_traced, layer)
