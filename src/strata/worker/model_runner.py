@@ -129,27 +129,29 @@ class ModelRunner:
     def _prepare(
         self, scheduled: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Built as Python lists and turned into tensors once each: per-step tensor arithmetic on a handful of
+        # ints costs more in op dispatch than the lists do (the slot of position p is its block's first slot
+        # plus p's offset in the block).
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int64)
-        for i, item in enumerate(scheduled):
+        block_rows: list[list[int]] = []
+        size = self.block_size
+        for item in scheduled:
             seq, start, end = item.seq, item.start, item.start + item.num_tokens
+            table = seq.block_table
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            slots.extend(table[p // size] * size + p % size for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + item.num_tokens)
             seq_lens.append(end)
-            block_tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+            block_rows.append(table + [0] * (max_blocks - len(table)))
         positions_t = torch.tensor(positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(scheduled)), torch.tensor([s.num_tokens for s in scheduled])
-        )
-        slot_mapping = (
-            block_tables[seq_index, positions_t // self.block_size] * self.block_size
-            + positions_t % self.block_size
-        )
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        block_tables = torch.tensor(block_rows, dtype=torch.int64)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             block_tables=block_tables.to(self.device),
