@@ -1,11 +1,100 @@
 // What Strata's CPU kernels share: a register tile of 16 floats as a GCC/Clang vector type (one AVX-512
-// register, two AVX2 ones, four NEON ones), and the horizontal sums of 16 such tiles at once.
+// register, two AVX2 ones, four NEON ones), the loads that widen 16 elements of each weight or activation
+// dtype into one, and the horizontal sums of 16 such tiles at once.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>  // the widening loads where the CPU has them; elsewhere plain C++ below
+#endif
 
 namespace strata_kernels {
 
 constexpr int kLanes = 16;
 using FloatTile = float __attribute__((vector_size(kLanes * sizeof(float))));
+using Bits16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+using Bits32 = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// kLanes consecutive elements of p (float, bfloat16, float16 or int8) widened to float; exact for each.
+template <typename T>
+inline FloatTile load_tile(const T* p) {
+  FloatTile v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // A bfloat16 is the high half of the float32 it stands for: widen the bits and shift them up.
+#if defined(__AVX512F__)
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    v = reinterpret_cast<FloatTile>(_mm512_slli_epi32(h, 16));
+#elif defined(__AVX2__)  // GCC 12 turns the portable form below into scalar code here
+    const __m128i* q = reinterpret_cast<const __m128i*>(p);
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16);
+    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16);
+    std::memcpy(&v, &lo, sizeof(lo));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+    Bits16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits32 w = __builtin_convertvector(h, Bits32) << 16;
+    std::memcpy(&v, &w, sizeof(v));
+#endif
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+#if defined(__AVX512F__)
+    v = reinterpret_cast<FloatTile>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+    const __m128i* q = reinterpret_cast<const __m128i*>(p);
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(q)), hi = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
+    std::memcpy(&v, &lo, sizeof(lo));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+    // float16 bits to float32 in vector integer arithmetic (c10::Half converts lane by lane): the exponent
+    // and mantissa shifted into place and scaled by 2^112 (from float16's exponent bias to float32's, exact
+    // for subnormals too); infinities and NaNs get float32's all-ones exponent; then the sign.
+    Bits16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const Bits32 w = __builtin_convertvector(h, Bits32);
+    const Bits32 magnitude = (w & 0x7fffu) << 13;
+    FloatTile scaled;
+    std::memcpy(&scaled, &magnitude, sizeof(scaled));
+    scaled *= 0x1p112f;
+    Bits32 bits;
+    std::memcpy(&bits, &scaled, sizeof(bits));
+    bits = magnitude >= (0x7c00u << 13) ? (magnitude | 0x7f800000u) : bits;
+    bits |= (w & 0x8000u) << 16;
+    std::memcpy(&v, &bits, sizeof(v));
+#endif
+  } else {
+    static_assert(std::is_same_v<T, int8_t>, "load_tile widens float, bfloat16, float16 and int8");
+#if defined(__AVX512F__)
+    v = reinterpret_cast<FloatTile>(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+    std::memcpy(&v, &lo, sizeof(lo));
+    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+#else
+    for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
+#endif
+  }
+  return v;
+}
+
+// The first n <= kLanes elements, the other lanes zero; nothing past p + n is read.
+template <typename T>
+inline FloatTile load_tile_n(const T* p, int64_t n) {
+  if (n == kLanes) return load_tile(p);
+  T tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load_tile(tmp);
+}
 
 // Lane t of the result is the sum of x[t]'s lanes, for kLanes tiles x (overwritten). Pairs of tiles are
 // merged by adding their halves, then quarters, ...: 15 merges of 3 vector operations for 16 sums, where

@@ -9,8 +9,9 @@
 // Work items are (sequence, KV head) pairs spread over ATen's intra-op threads. The query heads that share
 // a KV head (GQA) are computed together, so each key and value row serves all of them from L1.
 //
-// Plain C++ (`#pragma omp simd` loops and GCC/Clang vector types, no intrinsics) vectorised by the compiler
-// for this CPU (-O3 -march=native); it is built on first use (`cpu_kernels.py`).
+// C++ (`#pragma omp simd` loops and GCC/Clang vector types; only the widening loads of `float_tiles.h` use
+// x86 intrinsics where the CPU has them) vectorised by the compiler for this CPU (-O3 -march=native); it is
+// built on first use (`cpu_kernels.py`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -62,43 +63,7 @@ inline float exp_nonpositive(float x) {
 
 using Tile = strata_kernels::FloatTile;
 using strata_kernels::lane_sums;
-
-template <typename T>
-inline Tile load_tile(const T* p) {
-  Tile v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // A bfloat16 is the high half of the float32 it stands for: widen the bits and shift them up.
-    using Bits16 = uint16_t __attribute__((vector_size(kTile * sizeof(uint16_t))));
-    using Bits32 = uint32_t __attribute__((vector_size(kTile * sizeof(uint32_t))));
-    Bits16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const Bits32 w = __builtin_convertvector(h, Bits32) << 16;
-    std::memcpy(&v, &w, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    // float16 bits to float32 in vector integer arithmetic (c10::Half converts lane by lane): the exponent
-    // and mantissa shifted into place and scaled by 2^112 (from float16's exponent bias to float32's, exact
-    // for subnormals too); infinities and NaNs get float32's all-ones exponent; then the sign.
-    using Bits16 = uint16_t __attribute__((vector_size(kTile * sizeof(uint16_t))));
-    using Bits32 = uint32_t __attribute__((vector_size(kTile * sizeof(uint32_t))));
-    Bits16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const Bits32 w = __builtin_convertvector(h, Bits32);
-    const Bits32 magnitude = (w & 0x7fffu) << 13;
-    Tile scaled;
-    std::memcpy(&scaled, &magnitude, sizeof(scaled));
-    scaled *= 0x1p112f;
-    Bits32 bits;
-    std::memcpy(&bits, &scaled, sizeof(bits));
-    bits = magnitude >= (0x7c00u << 13) ? (magnitude | 0x7f800000u) : bits;
-    bits |= (w & 0x8000u) << 16;
-    std::memcpy(&v, &bits, sizeof(v));
-  } else {
-    for (int j = 0; j < kTile; ++j) v[j] = widen(p[j]);
-  }
-  return v;
-}
+using strata_kernels::load_tile;
 
 // Scores of keys [n rows, `key_stride` apart] against MG query heads (rows of q, `D` apart) into MG rows of
 // `scores` (`bs` apart). Each dot product is summed in a register tile (each widened key tile serves all MG

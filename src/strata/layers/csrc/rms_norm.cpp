@@ -11,8 +11,8 @@
 // float32 and rounds once. `x + residual` is rounded to x's dtype, like torch's add, and normalised as
 // rounded.
 //
-// C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); the bf16 narrowing store and
-// the float16 conversions use x86 intrinsics where the CPU has them (GCC 12 turns the portable
+// C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); the narrowing stores here and
+// the widening loads (`float_tiles.h`) use x86 intrinsics where the CPU has them (GCC 12 turns the portable
 // `__builtin_convertvector` into scalar code there), under #if with plain C++ for other CPUs. Rows are
 // split over ATen's intra-op threads only for tensors large enough to pay for waking them. It is built on
 // first use (`cpu_kernels.py`).
@@ -35,51 +35,21 @@
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>  // the bf16 narrowing and float16 conversions; elsewhere plain C++ below
+#include <immintrin.h>  // the bf16 and float16 narrowing stores; elsewhere plain C++ below
 #endif
 
 namespace {
 
 using Tile = strata_kernels::FloatTile;
 constexpr int64_t kTile = strata_kernels::kLanes;
-using Bits16 = uint16_t __attribute__((vector_size(kTile * sizeof(uint16_t))));
-using Bits32 = uint32_t __attribute__((vector_size(kTile * sizeof(uint32_t))));
+using strata_kernels::Bits16;
+using strata_kernels::Bits32;
+using strata_kernels::load_tile;
+using strata_kernels::load_tile_n;
 
 // Rows are split over threads only when each thread gets at least this many elements: below it waking a
 // second thread costs more than the work it takes over (a row of a few thousand elements takes ~1 us).
 constexpr int64_t kMinElementsPerThread = 64 * 1024;
-
-// kTile consecutive elements widened to float.
-template <typename T>
-inline Tile load(const T* p) {
-  Tile v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // A bfloat16 is the high half of the float32 it stands for.
-#if defined(__AVX512F__)
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    v = reinterpret_cast<Tile>(_mm512_slli_epi32(h, 16));
-#else
-    Bits16 h;
-    std::memcpy(&h, p, sizeof(h));
-    const Bits32 w = __builtin_convertvector(h, Bits32) << 16;
-    std::memcpy(&v, &w, sizeof(v));
-#endif
-  } else {
-#if defined(__AVX512F__)
-    v = reinterpret_cast<Tile>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-    const __m128i* q = reinterpret_cast<const __m128i*>(p);
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(q)), hi = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
-    std::memcpy(&v, &lo, sizeof(lo));
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-#else
-    for (int j = 0; j < kTile; ++j) v[j] = static_cast<float>(p[j]);
-#endif
-  }
-  return v;
-}
 
 // v rounded to the nearest-even bfloat16, as float32 bits (low half zero); NaN becomes c10's 0x7fc0.
 inline Bits32 bf16_bits(Tile v) {
@@ -131,19 +101,11 @@ inline Tile round_to(Tile v) {
   } else {
     T tmp[kTile];
     store(tmp, v);
-    return load(tmp);
+    return load_tile(tmp);
   }
 }
 
-// The first n <= kTile elements; past them a partial tile's lanes are zero, and nothing past p + n is read
-// or written.
-template <typename T>
-inline Tile load_n(const T* p, int64_t n) {
-  if (n == kTile) return load(p);
-  T tmp[kTile] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load(tmp);
-}
+// The first n <= kTile lanes of v into p; nothing past p + n is written.
 template <typename T>
 inline void store_n(T* p, Tile v, int64_t n) {
   if (n == kTile) return store(p, v);
@@ -175,7 +137,7 @@ void norm_rows(const T* x, const T* residual, const W* weight, T* sum, O* out, i
       const T* rr = residual + r * H;
       T* sr = sum + r * H;
       auto add = [&](int64_t j, int64_t n, Tile& a) {
-        const Tile s = round_to<T>(load_n(xr + j, n) + load_n(rr + j, n));
+        const Tile s = round_to<T>(load_tile_n(xr + j, n) + load_tile_n(rr + j, n));
         store_n(sr + j, s, n);
         a += s * s;
       };
@@ -185,7 +147,7 @@ void norm_rows(const T* x, const T* residual, const W* weight, T* sum, O* out, i
       xr = sr;
     } else {
       auto square = [&](int64_t j, int64_t n, Tile& a) {
-        const Tile v = load_n(xr + j, n);
+        const Tile v = load_tile_n(xr + j, n);
         a += v * v;
       };
       for (; i + 4 * kTile <= H; i += 4 * kTile)
@@ -197,11 +159,11 @@ void norm_rows(const T* x, const T* residual, const W* weight, T* sum, O* out, i
     O* o = out + r * H;
     for (int64_t j = 0; j < H; j += kTile) {
       const int64_t n = std::min(kTile, H - j);
-      const Tile h = load_n(xr + j, n) * inv;
+      const Tile h = load_tile_n(xr + j, n) * inv;
       if constexpr (kOffset) {
-        store_n(o + j, h * (1.f + load_n(weight + j, n)), n);
+        store_n(o + j, h * (1.f + load_tile_n(weight + j, n)), n);
       } else {
-        store_n(o + j, round_to<T>(h) * load_n(weight + j, n), n);
+        store_n(o + j, round_to<T>(h) * load_tile_n(weight + j, n), n);
       }
     }
   }

@@ -10,9 +10,9 @@
 // Wider inputs (prefill, large batches) go to oneDNN's GEMM where PyTorch has it: on the CPUs measured it
 // runs float32 at about twice the rate of the MKL path `at::linear` takes for these shapes.
 //
-// C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the bf16 / int8 widening
-// loads use x86 intrinsics (GCC 12 turns the portable `__builtin_convertvector` into scalar code there),
-// under #if with a plain C++ fallback for other CPUs. It is built on first use (`cpu_kernels.py`).
+// C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the widening loads
+// (`float_tiles.h`) use x86 intrinsics, under #if with a plain C++ fallback for other CPUs. It is built on
+// first use (`cpu_kernels.py`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,10 +31,6 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>  // the widening loads; elsewhere plain C++ below
-#endif
-
 namespace {
 
 // Above this many rows of x ATen's GEMM is as fast or faster (measured on AVX-512 and AVX2 machines).
@@ -42,6 +38,8 @@ constexpr int64_t kMaxRows = 8;
 
 using strata_kernels::kLanes;
 using strata_kernels::lane_sums;
+using strata_kernels::load_tile;
+using strata_kernels::load_tile_n;
 using Vec = strata_kernels::FloatTile;
 
 // A layer is split over threads only when each thread gets at least this much work, counted in weight
@@ -53,56 +51,6 @@ constexpr int64_t kMinWorkPerThread = 128 * 1024;
 // prefetchers alone leave bf16 and int8 rows (fewer bytes per instruction) 15-30% short of the
 // bandwidth (measured on Zen 5; prefetching past the matrix's end is harmless, prefetches never fault).
 constexpr int kPrefetchBytes = 8192;
-
-// kLanes consecutive elements widened to float.
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline Vec load(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<Vec>(_mm512_slli_epi32(h, 16));  // bf16 is a float's top half
-#elif defined(__AVX2__)
-  const __m128i* q = reinterpret_cast<const __m128i*>(p);
-  const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16);
-  const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16);
-  Vec v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-  return v;
-#else
-  Vec v;
-  for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
-  return v;
-#endif
-}
-inline Vec load(const int8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<Vec>(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-  Vec v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-  return v;
-#else
-  Vec v;
-  for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
-  return v;
-#endif
-}
-// The first n < kLanes elements, the other lanes zero (never reads past p + n).
-template <typename T>
-inline Vec load_partial(const T* p, int64_t n) {
-  T tmp[kLanes] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load(tmp);
-}
 
 // Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
 // tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency and, with the
@@ -130,27 +78,27 @@ inline void row_dots(const float* x, const W* w, int64_t K, Vec* out) {
       for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
         __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
                                                          kPrefetchBytes + p));
-      for (int u = 0; u < KU; ++u) wv[r][u] = load(w + r * K + k + u * kLanes);
+      for (int u = 0; u < KU; ++u) wv[r][u] = load_tile(w + r * K + k + u * kLanes);
     }
     for (int m = 0; m < MB; ++m)
       for (int u = 0; u < KU; ++u) {
-        const Vec xv = load(x + m * K + k + u * kLanes);
+        const Vec xv = load_tile(x + m * K + k + u * kLanes);
         for (int r = 0; r < RB; ++r) acc[m][r][u] += xv * wv[r][u];
       }
   }
   for (; k + kLanes <= K; k += kLanes) {
     Vec wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load(w + r * K + k);
+    for (int r = 0; r < RB; ++r) wv[r] = load_tile(w + r * K + k);
     for (int m = 0; m < MB; ++m) {
-      const Vec xv = load(x + m * K + k);
+      const Vec xv = load_tile(x + m * K + k);
       for (int r = 0; r < RB; ++r) acc[m][r][0] += xv * wv[r];
     }
   }
   if (k < K) {
     Vec wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load_partial(w + r * K + k, K - k);
+    for (int r = 0; r < RB; ++r) wv[r] = load_tile_n(w + r * K + k, K - k);
     for (int m = 0; m < MB; ++m) {
-      const Vec xv = load_partial(x + m * K + k, K - k);
+      const Vec xv = load_tile_n(x + m * K + k, K - k);
       for (int r = 0; r < RB; ++r) acc[m][r][KU - 1] += xv * wv[r];
     }
   }
