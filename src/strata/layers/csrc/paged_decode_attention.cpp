@@ -62,6 +62,20 @@ inline float exp_nonpositive(float x) {
 }
 
 using Tile = strata_kernels::FloatTile;
+
+// Calls f(heads, g) for the query heads [g, g + heads) of a GQA group, four at a time and the rest last,
+// with `heads` a compile-time constant (std::integral_constant) so each call runs a kernel unrolled for it.
+template <typename F>
+inline void for_head_groups(int64_t group, F&& f) {
+  for (int64_t g = 0; g < group; g += 4) {
+    switch (std::min<int64_t>(4, group - g)) {
+      case 1: f(std::integral_constant<int, 1>{}, g); break;
+      case 2: f(std::integral_constant<int, 2>{}, g); break;
+      case 3: f(std::integral_constant<int, 3>{}, g); break;
+      default: f(std::integral_constant<int, 4>{}, g); break;
+    }
+  }
+}
 using strata_kernels::lane_sums;
 using strata_kernels::load_tile;
 
@@ -170,16 +184,9 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t l
     const int64_t n = t1 - t0;
     const T* kb = k + id * s.k_strides[0] + kv_head * s.k_strides[2] + t0 * s.k_strides[1];
     const T* vb = v + id * s.v_strides[0] + kv_head * s.v_strides[2] + t0 * s.v_strides[1];
-    for (int64_t g = 0; g < group; g += 4) {
-      const float* qg = q + g * D;
-      float* sg = scores + g * bs;
-      switch (std::min<int64_t>(4, group - g)) {
-        case 1: block_scores<1>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
-        case 2: block_scores<2>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
-        case 3: block_scores<3>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
-        default: block_scores<4>(qg, D, kb, s.k_strides[1], n, sg, bs); break;
-      }
-    }
+    for_head_groups(group, [&](auto heads, int64_t g) {
+      block_scores<heads>(q + g * D, D, kb, s.k_strides[1], n, scores + g * bs, bs);
+    });
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores + g * bs;
       if (s.softcap > 0) {
@@ -204,16 +211,9 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t l
         for (int64_t d = 0; d < Dv; ++d) ag[d] *= correction;
       }
     }
-    for (int64_t g = 0; g < group; g += 4) {
-      const float* pg = scores + g * bs;
-      float* ag = acc + g * Dv;
-      switch (std::min<int64_t>(4, group - g)) {
-        case 1: block_values<1>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
-        case 2: block_values<2>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
-        case 3: block_values<3>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
-        default: block_values<4>(pg, bs, vb, s.v_strides[1], n, ag, Dv); break;
-      }
-    }
+    for_head_groups(group, [&](auto heads, int64_t g) {
+      block_values<heads>(scores + g * bs, bs, vb, s.v_strides[1], n, acc + g * Dv, Dv);
+    });
   }
   for (int64_t g = 0; g < group; ++g) {
     // An empty context (a zero-length padding row) attends to nothing: its output stays zero.
@@ -374,16 +374,9 @@ template <int DT, int DVT, typename T>
 void attend_tiles_group(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
                         const float* q, float* out) {
   const int64_t group = s.heads / s.kv_heads;
-  for (int64_t g = 0; g < group; g += 4) {
-    const float* qg = q + g * s.head_dim;
-    float* og = out + g * s.value_dim;
-    switch (std::min<int64_t>(4, group - g)) {
-      case 1: attend_tiles<1, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
-      case 2: attend_tiles<2, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
-      case 3: attend_tiles<3, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
-      default: attend_tiles<4, DT, DVT>(s, k, v, table, len, kv_head, qg, og); break;
-    }
-  }
+  for_head_groups(group, [&](auto heads, int64_t g) {
+    attend_tiles<heads, DT, DVT>(s, k, v, table, len, kv_head, q + g * s.head_dim, out + g * s.value_dim);
+  });
 }
 
 // The fast path for this shape, or null.
