@@ -206,3 +206,27 @@ def test_greedy_output_is_the_same_with_the_kernel_off(
     assert not kernel_calls
     assert with_kernel == without
     assert all(len(tokens) == 40 for tokens in with_kernel)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_kernel_cache_write_stores_what_index_copy_stores(
+    cache_dtype: torch.dtype, slot_dtype: torch.dtype
+) -> None:
+    """Float32 keys and values into a cache of each dtype, at scattered slots in shuffled blocks."""
+    generator = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, 7, BLOCK_SIZE, 3, 8, generator=generator).to(cache_dtype)
+    key, value = torch.randn(2, 20, 3, 8, generator=generator)
+    slots = torch.randperm(7 * BLOCK_SIZE, generator=generator)[:20].to(slot_dtype)
+    expected = kv_cache.clone()
+    torch_native.write_to_kv_cache(key, value, expected, slots.long())
+    cpu.write_to_kv_cache(key, value, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+def test_kernel_cache_write_rejects_a_slot_outside_the_cache() -> None:
+    kv_cache = torch.zeros(2, 2, BLOCK_SIZE, 1, 4)
+    key = torch.ones(1, 1, 4)
+    with pytest.raises(RuntimeError, match="slot 32 of token 0 is outside the cache's 32 slots"):
+        cpu.write_to_kv_cache(key, key, kv_cache, torch.tensor([2 * BLOCK_SIZE]))
+    assert not kv_cache.any()

@@ -12,15 +12,16 @@ to the compiler each call looks the same apart from the name, and with `LayerNam
   output of the write that orders it before the attention reading the cache.
 
 Each is registered twice (`LayerNameOp`): taking `LayerNameType` and, as `<name>_str`, taking `str`.
-Attention itself goes to the backend for the cache's device (`paged_attention`).
+The cache write and attention go to the backend for the cache's device (`write_to_kv_cache`, `paged_attention`).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from strata.attention.backends import cpu, torch_native
-from strata.attention.backends.torch_native import write_to_kv_cache
 from strata.attention.forward_context import AttentionMetadata, get_forward_context
 from strata.compilation.layer_name import LayerNameOp, LayerNameType, resolve_layer_name
 
@@ -31,6 +32,19 @@ def prepare_backend(device: torch.device) -> None:
         cpu.prepare()
 
 
+def _backend(kv_cache: torch.Tensor) -> ModuleType:
+    """The backend for the device the cache lives on: Strata's kernels for a CPU cache, plain PyTorch
+    elsewhere. It is chosen inside the ops below, so the choice is never traced into a graph."""
+    return cpu if kv_cache.device.type == "cpu" else torch_native
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store this step's keys and values with the backend for the cache's device."""
+    _backend(kv_cache).write_to_kv_cache(key, value, kv_cache, slot_mapping)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -39,10 +53,8 @@ def paged_attention(
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """Attend with the backend for the device the cache lives on: Strata's kernels for a CPU cache, plain
-    PyTorch elsewhere. It runs inside the ops below, so the choice is never traced into a graph."""
-    backend = cpu if kv_cache.device.type == "cpu" else torch_native
-    return backend.paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+    """Attend with the backend for the cache's device."""
+    return _backend(kv_cache).paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
 
 
 def _cache_and_metadata(layer_name: LayerNameType) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -2,7 +2,8 @@
 
 `strata_cpu::paged_decode_attention` reads each sequence's keys and values where they lie in the paged cache;
 the pure-PyTorch decode path first copies them into a padded tensor, per layer per step. Prefill and mixed
-steps, and caches of a dtype the kernel does not read, use the reference backend.
+steps, and caches of a dtype the kernel does not read, use the reference backend. Every step's cache write
+goes through `strata_cpu::write_kv_cache`: one call where `index_copy_` takes two, each with its views.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ def prepare() -> None:
     """Build (once per machine) and load the decode kernel now, at engine start, so the first decode step
     neither waits for the compiler nor logs in the middle of streamed output."""
     cpu_kernels.load("paged_decode_attention")
+
+
+def write_to_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """`torch_native.write_to_kv_cache`'s contract, through the kernel where it can be built."""
+    if kv_cache.dtype in _KERNEL_DTYPES and cpu_kernels.load("paged_decode_attention"):
+        k_cache, v_cache = kv_cache.unbind(0)
+        torch.ops.strata_cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        torch_native.write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
 
 def paged_attention(
@@ -43,10 +55,11 @@ def paged_attention(
         and kv_cache.dtype in _KERNEL_DTYPES
         and cpu_kernels.load("paged_decode_attention")
     ):
+        k_cache, v_cache = kv_cache.unbind(0)
         return torch.ops.strata_cpu.paged_decode_attention(
             query,
-            kv_cache[0],
-            kv_cache[1],
+            k_cache,
+            v_cache,
             metadata.block_tables,
             metadata.seq_lens,
             scale,

@@ -1,4 +1,5 @@
 // Strata's CPU decode attention: one query token per sequence attends over its paged KV cache in place.
+// Also the cache write every attention layer does first (`write_kv_cache`).
 //
 // The pure-PyTorch decode path copies every sequence's blocks into a padded tensor (`k_cache[block_tables]`)
 // per layer per step and then runs a handful of batched ops over the copy; for a small model that copy and
@@ -488,6 +489,52 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out.to(query.scalar_type());
 }
 
+// Copies `rows` [T, Hkv, D] (any floating dtype) into `cache` [num_blocks, block_size, Hkv, D] at the flat
+// slots `slots` [T] (block * block_size + offset), which the caller checked.
+void write_rows(const char* op, const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(rows.dim() == 3 && cache.dim() == 4, op, "rows must be [tokens, kv_heads, head_dim] and the cache ",
+              "[num_blocks, block_size, kv_heads, head_dim], got ", rows.sizes(), " and ", cache.sizes());
+  TORCH_CHECK(rows.size(0) == slots.size(0) && rows.sizes().slice(1) == cache.sizes().slice(2), op, "rows ",
+              rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache.sizes());
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), op,
+              "each cache slot must hold its heads contiguously");
+  const at::Tensor src = rows.to(cache.scalar_type()).contiguous();
+  const int64_t block_size = cache.size(1), row_bytes = src.size(1) * src.size(2) * src.element_size();
+  const int64_t block_bytes = cache.stride(0) * cache.element_size();
+  const int64_t slot_bytes = cache.stride(1) * cache.element_size();
+  const char* from = static_cast<const char*>(src.const_data_ptr());
+  char* to = static_cast<char*>(cache.data_ptr());
+  const Indices slot_at(slots);
+  for (int64_t t = 0; t < src.size(0); ++t) {
+    const int64_t slot = slot_at[t];
+    std::memcpy(to + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes, from + t * row_bytes,
+                row_bytes);
+  }
+}
+
+// Stores this step's key [T, Hkv, D] and value [T, Hkv, Dv] at their slots of k_cache and v_cache, converting
+// to the cache's dtype: what `index_copy_` into the flattened caches does, in one call instead of two. Every
+// slot is checked before anything is written.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  constexpr const char* op = "strata_cpu::write_kv_cache: ";
+  TORCH_CHECK(slot_mapping.dim() == 1 &&
+                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
+              op, "slot_mapping must be a 1-D int32 or int64 tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 &&
+                  k_cache.sizes().slice(0, 2) == v_cache.sizes().slice(0, 2),
+              op, "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] with one block layout");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const Indices slot_at(slots);
+  for (int64_t t = 0; t < slots.size(0); ++t) {
+    TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < capacity, op, "slot ", slot_at[t], " of token ", t,
+                " is outside the cache's ", capacity, " slots");
+  }
+  write_rows(op, key, k_cache, slots);
+  write_rows(op, value, v_cache, slots);
+}
+
 }  // namespace
 
 // A fragment: `small_batch_linear.cpp` owns the strata_cpu namespace, and either library may load first.
@@ -495,6 +542,12 @@ TORCH_LIBRARY_FRAGMENT(strata_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, float softcap, int sliding_window) -> Tensor");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
+      "-> ()");
 }
 
-TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}
