@@ -239,7 +239,6 @@ def get_current_layer_config() -> LayerConfig:
 
 
 FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attention")
-FUSION_PASSES_ON: tuple[str, ...] = ("fuse_residual_add_into_rms_norm",)
 COMPILE_MODES = ("model", "layer")
 
 
@@ -250,8 +249,7 @@ class CompilationConfig:
     `use_layer_name` None takes STRATA_USE_LAYERNAME (on): layer-name ops get a `LayerName`, which compiles
     as a graph input, so identical layers share one compiled piece. It also applies without `compile`,
     because it selects the op variant at model build. `passes` maps a fusion pass name to on/off; passes
-    not named take `FUSION_PASSES_ON` (`fuse_residual_add_into_rms_norm`; `fuse_kv_write_into_attention`
-    measured slower on the CPU and is off). `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
+    not named are on. `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
     STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
     decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for every
     layer of the same kind, so compile time is flat in depth (embedding, head and the loop over layers stay
@@ -294,7 +292,7 @@ class CompilationConfig:
                 )
 
     def pass_enabled(self, name: str) -> bool:
-        return self.passes.get(name, name in FUSION_PASSES_ON)
+        return self.passes.get(name, True)
 
 
 @dataclass

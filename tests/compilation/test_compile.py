@@ -162,6 +162,21 @@ def test_layer_name_compiles_at_most_three_distinct_pieces(
     assert _stats(llm).compiled + _stats(llm).loaded == _stats(llm).distinct_pieces
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pieces_use_the_cpp_wrapper_unless_they_take_a_layer_name(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    """Fused, no piece holds a layer-name op, so all compile with Inductor's C++ wrapper; unfused with
+    `LayerName`, the pieces holding the KV write take the name as an input and keep the Python wrapper (the
+    C++ one cannot pass it); with str names the name is a constant, not an input."""
+    _, _, use_layer_name, fuse, _ = case
+    stats = _stats(runs(case)["llm"])
+    if fuse or not use_layer_name:
+        assert stats.compiled_cpp_wrapper == stats.compiled
+    else:
+        assert 0 < stats.compiled - stats.compiled_cpp_wrapper < stats.compiled
+
+
 def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str, Any]]) -> None:
     """With str names the KV write of each piece holds its layer's name as a constant. A piece compiled for
     one name must never serve another layer (that would write every layer's K/V into one cache and still

@@ -44,11 +44,28 @@ from torch._dynamo.aot_compile_types import SerializableCallable
 from torch.fx.passes.split_module import split_module
 
 from strata.attention.ops import ATTENTION_OPS
+from strata.compilation.layer_name import OpaqueBase
 from strata.compilation.passes import PassManager
 
 logger = logging.getLogger("strata.compilation")
 
 _ATTENTION_TARGETS = {overload for op in ATTENTION_OPS for overload in op.overloads}
+
+# Inductor settings for every piece. Its size, stride and alignment checks on each input and each custom-op
+# output are Python calls that evaluate symbolic sizes on every run: at batch 1 they cost about as much as a
+# layer's attention (SmolLM-135M decode 55 -> 61-65 tok/s without them). The shapes they check are fixed by
+# the trace and the ops' fake implementations, which the tests compare with eager.
+INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "alignment_asserts": False}
+
+
+def piece_options(inputs: Sequence[Any]) -> dict[str, Any]:
+    """Inductor settings for one piece: `INDUCTOR_OPTIONS`, with the C++ wrapper for a CPU piece that takes
+    no opaque value. The C++ wrapper calls the piece's ops without a Python line between them (a third less
+    overhead per piece call at batch 1), but it cannot pass an opaque value such as a `LayerName` to an op,
+    which a piece takes when the KV write is not fused into attention."""
+    on_cpu = all(value.device.type == "cpu" for value in inputs if isinstance(value, torch.Tensor))
+    opaque = any(isinstance(value, OpaqueBase) for value in inputs)
+    return {**INDUCTOR_OPTIONS, "cpp_wrapper": on_cpu and not opaque}
 
 
 @dataclass
@@ -59,6 +76,7 @@ class CompileStats:
     pieces: int = 0
     distinct_pieces: int = 0
     compiled: int = 0
+    compiled_cpp_wrapper: int = 0  # of `compiled`, those with Inductor's C++ wrapper (`piece_options`)
     loaded: int = 0
     seconds: float = 0.0
 
@@ -224,8 +242,12 @@ class StrataBackend:
             return self.load_piece(key)
         self.stats.pieces += 1
         self.stats.distinct_pieces += 1
-        artifact = standalone_compile(piece, inputs, dynamic_shapes="from_tracing_context")
+        options = piece_options(inputs)
+        artifact = standalone_compile(
+            piece, inputs, dynamic_shapes="from_tracing_context", options={"config_patches": options}
+        )
         self.stats.compiled += 1
+        self.stats.compiled_cpp_wrapper += options["cpp_wrapper"]
         if path is not None:
             _save_atomically(lambda tmp: artifact.save(path=tmp, format="binary"), path)
         self._pieces[key] = artifact

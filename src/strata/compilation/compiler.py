@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from strata import __version__, envs
-from strata.compilation.backend import CompileStats, StrataBackend, _save_atomically
+from strata.compilation.backend import INDUCTOR_OPTIONS, CompileStats, StrataBackend, _save_atomically
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
 from strata.config import ConfigError, EngineConfig
@@ -40,6 +40,7 @@ def cache_key(config: EngineConfig) -> str:
         "passes": sorted(compilation.passes.items()),
         "device": config.device,
         "cpu_kernels": not envs.disable_cpu_kernels(),  # the traced graph calls them where they load
+        "inductor": sorted(INDUCTOR_OPTIONS.items()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -8,8 +8,8 @@ itself, so the pass finds nothing there.
 
 `fuse_kv_write_into_attention` turns `unified_attention(q, kv_cache_update(k, v, name), name, ...)` into
 `attention_with_kv_write(q, k, v, name, ...)`: one custom-op call per layer instead of two, and no
-dependency tensor. It is off by default: measured on CPU decode it made things slightly slower (README), so
-it serves as the layer-name-aware fusion the pass manager and its tests exercise.
+dependency tensor. It also leaves the compiled pieces without any op that takes a `LayerName`, so they can
+use Inductor's C++ wrapper (`backend.piece_options`).
 
 The pattern contains layer-name ops, so it is written the way `LayerName` needs: with `LayerName` the name
 is a pattern input (`KeywordArg`), registered once, and matches every layer; with `str` names each name is
