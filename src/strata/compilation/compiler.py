@@ -19,7 +19,7 @@ from strata import __version__, envs
 from strata.compilation.backend import INDUCTOR_OPTIONS, CompileStats, StrataBackend, _save_atomically
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
-from strata.config import ConfigError, EngineConfig
+from strata.config import FUSION_PASSES, ConfigError, EngineConfig
 from strata.models.transformers.attention import LAYER_NAME_ATTR
 
 logger = logging.getLogger("strata.compilation")
@@ -37,7 +37,7 @@ def cache_key(config: EngineConfig) -> str:
         "layers": [config.layer_config.layer_impl, config.layer_config.custom_ops],
         "mode": compilation.mode,
         "use_layer_name": compilation.use_layer_name,
-        "passes": sorted(compilation.passes.items()),
+        "passes": [name for name in FUSION_PASSES if compilation.pass_enabled(name)],
         "device": config.device,
         "cpu_kernels": not envs.disable_cpu_kernels(),  # the traced graph calls them where they load
         "inductor": sorted(INDUCTOR_OPTIONS.items()),
