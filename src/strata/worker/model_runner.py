@@ -22,7 +22,6 @@ from strata.compilation.warmup import InductorWarmup
 from strata.config import ConfigError, EngineConfig
 from strata.engine.scheduler import ScheduledSequence
 from strata.models.transformers.loader import build_model
-from strata.worker.huge_pages import move_parameters_to_huge_pages, zeros_in_huge_pages
 from strata.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger("strata.worker")
@@ -63,8 +62,6 @@ class ModelRunner:
             config.model_config, config.layer_config, bool(compilation.use_layer_name)
         )
         self.model.to(self.device)
-        if self.device.type == "cpu":
-            move_parameters_to_huge_pages(self.model)
         self.compiled: CompiledForward | None = None
         if compilation.compile:
             if warmup is not None:
@@ -105,14 +102,18 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
         dtype = self.config.model_config.torch_dtype
-        shapes = [
-            (2, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim) for spec in self.layers
-        ]
-        if self.device.type == "cpu":
-            tensors = zeros_in_huge_pages(shapes, dtype)
-        else:
-            tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for shape in shapes]
-        caches = {spec.name: tensor for spec, tensor in zip(self.layers, tensors, strict=True)}
+        caches = {
+            spec.name: torch.zeros(
+                2,
+                self.num_blocks,
+                self.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+                dtype=dtype,
+                device=self.device,
+            )
+            for spec in self.layers
+        }
         total = self.num_blocks * self._bytes_per_block()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) over %d layers",
