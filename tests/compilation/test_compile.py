@@ -177,6 +177,22 @@ def test_pieces_use_the_cpp_wrapper_unless_they_take_a_layer_name(
         assert 0 < stats.compiled - stats.compiled_cpp_wrapper < stats.compiled
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_compiled_forward_calls_attention_without_the_dispatcher(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    """Between the pieces the attention ops run as their implementations (`_EagerAttention`), as in eager
+    forwards; only the unfused KV write, inside the compiled pieces, still goes through the dispatcher."""
+    llm = runs(case)["llm"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
+    ops = {event.key for event in profile.key_averages()}
+    assert "strata_cpu::paged_decode_attention" in ops  # attention ran, and the profiler saw ops
+    dispatched = {op for op in ops if op.startswith("strata::")}
+    fused = case[3]
+    assert dispatched == (set() if fused else {"strata::kv_cache_update" + ("" if case[2] else "_str")})
+
+
 def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str, Any]]) -> None:
     """With str names the KV write of each piece holds its layer's name as a constant. A piece compiled for
     one name must never serve another layer (that would write every layer's K/V into one cache and still

@@ -49,7 +49,7 @@ from strata.compilation.passes import PassManager
 
 logger = logging.getLogger("strata.compilation")
 
-_ATTENTION_TARGETS = {overload for op in ATTENTION_OPS for overload in op.overloads}
+_ATTENTION_IMPLS = {overload: op.impl for op in ATTENTION_OPS for overload in op.overloads}
 
 # Inductor settings for every piece. Its size, stride and alignment checks on each input and each custom-op
 # output are Python calls that evaluate symbolic sizes on every run: at batch 1 they cost about as much as a
@@ -82,7 +82,7 @@ class CompileStats:
 
 
 def is_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _ATTENTION_TARGETS
+    return node.op == "call_function" and node.target in _ATTENTION_IMPLS
 
 
 def _describe_value(value: Any) -> str:
@@ -258,19 +258,58 @@ class StrataBackend:
 _LOADING_BACKEND: contextvars.ContextVar[StrataBackend] = contextvars.ContextVar("strata_loading_backend")
 
 
+class _EagerAttention(torch.nn.Module):
+    """An attention submodule of the split graph run as its op's Python implementation.
+
+    The split graph runs outside any trace, so the custom op's dispatcher round trip and the submodule's own
+    GraphModule call buy nothing there (about 8 us a layer a step together); eager forwards skip them the
+    same way (`LayerNameOp.__call__`). The submodule stays in the saved graph.
+    """
+
+    def __init__(self, impl: Callable[..., Any], call: fx.Node, placeholders: list[fx.Node]) -> None:
+        super().__init__()
+        self.impl = impl
+        position = {node: index for index, node in enumerate(placeholders)}
+        # Per argument of the call: the index of the input it is, or None and the constant it is.
+        self.arguments = [(position[a], None) if isinstance(a, fx.Node) else (None, a) for a in call.args]
+
+    def forward(self, *inputs: Any) -> tuple[Any]:
+        return (self.impl(*[value if index is None else inputs[index] for index, value in self.arguments]),)
+
+
+def _eager_attention(submodule: torch.nn.Module) -> torch.nn.Module:
+    """`_EagerAttention` for a submodule that is one attention call on its inputs; any other, unchanged."""
+    if not isinstance(submodule, fx.GraphModule):
+        return submodule
+    nodes = list(submodule.graph.nodes)
+    placeholders = [node for node in nodes if node.op == "placeholder"]
+    calls = [node for node in nodes if node.op not in ("placeholder", "output")]
+    if len(calls) != 1 or not is_attention(calls[0]) or calls[0].kwargs or nodes[-1].args != ((calls[0],),):
+        return submodule
+    if any(isinstance(arg, fx.Node) and arg.op != "placeholder" for arg in calls[0].args):
+        return submodule
+    return _EagerAttention(_ATTENTION_IMPLS[calls[0].target], calls[0], placeholders)
+
+
 class CompiledGraph(SerializableCallable):
     """The split forward with its compiled pieces: what the backend returns to Dynamo.
 
-    Serialised as the split graph with each compiled piece replaced by its key; deserialising takes the
-    pieces from the backend of `StrataBackend.loading`.
+    Runs the split graph with its attention submodules as `_EagerAttention`. Serialised as the split graph
+    with each compiled piece replaced by its key; deserialising takes the pieces from the backend of
+    `StrataBackend.loading`.
     """
 
     def __init__(self, split: fx.GraphModule, piece_keys: dict[str, str]) -> None:
         self.split = split
         self.piece_keys = piece_keys
+        children = {
+            name: module if name in piece_keys else _eager_attention(module)
+            for name, module in split.named_children()
+        }
+        self.runtime = fx.GraphModule(children, split.graph)
 
     def __call__(self, *args: Any) -> Any:
-        return self.split(*args)
+        return self.runtime(*args)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: CompiledGraph) -> bytes:
