@@ -14,8 +14,13 @@ from strata.attention.backends import torch_native
 from strata.attention.forward_context import AttentionMetadata
 from strata.layers import cpu_kernels
 
-# Cache dtypes `strata_cpu::paged_decode_attention` reads (it sums in float32 either way).
+# Cache dtypes the kernels read and write (`paged_decode_attention` sums in float32 either way).
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_serves(kv_cache: torch.Tensor) -> bool:
+    """Whether Strata's kernels handle this cache: a dtype they read, and the kernel library built here."""
+    return kv_cache.dtype in _KERNEL_DTYPES and cpu_kernels.load("paged_decode_attention")
 
 
 def prepare() -> None:
@@ -28,7 +33,7 @@ def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """`torch_native.write_to_kv_cache`'s contract, through the kernel where it can be built."""
-    if kv_cache.dtype in _KERNEL_DTYPES and cpu_kernels.load("paged_decode_attention"):
+    if _kernel_serves(kv_cache):
         k_cache, v_cache = kv_cache.unbind(0)
         torch.ops.strata_cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -49,12 +54,7 @@ def paged_attention(
     their fake implementations), so the one-time build in `cpu_kernels.load` happens at the first real
     decode step, outside any compilation, and is a cached lookup afterwards.
     """
-    if (
-        metadata.is_pure_decode
-        and query.device.type == "cpu"
-        and kv_cache.dtype in _KERNEL_DTYPES
-        and cpu_kernels.load("paged_decode_attention")
-    ):
+    if metadata.is_pure_decode and query.device.type == "cpu" and _kernel_serves(kv_cache):
         k_cache, v_cache = kv_cache.unbind(0)
         return torch.ops.strata_cpu.paged_decode_attention(
             query,
