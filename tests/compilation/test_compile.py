@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from strata import LLM, SamplingParams
+from strata.compilation import backend
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.worker.model_runner import ModelOutput
 
@@ -101,19 +102,30 @@ def runs(
             if (model, layer_impl, use_layer_name) not in eager:
                 eager_llm = LLM(folder, **kwargs, compilation_config={"use_layer_name": use_layer_name})
                 eager[(model, layer_impl, use_layer_name)] = _run(eager_llm)
-            llm = LLM(
-                folder,
-                **kwargs,
-                compile=True,
-                compilation_config={
-                    "mode": mode,
-                    "use_layer_name": use_layer_name,
-                    "passes": {"fuse_kv_write_into_attention": fuse},
-                    "use_cache": False,
-                    "evaluate_guards": True,  # so a batch size that needed a recompile would get one
-                },
-            )
-            tokens, logits = _run(llm)
+            # The backend's split graphs with their submodules, as it made them (it then swaps in the pieces).
+            splits: list[tuple[torch.fx.GraphModule, dict[str, torch.nn.Module]]] = []
+
+            def recording_split(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+                made = split(gm)
+                splits.append((made, dict(made.named_children())))
+                return made
+
+            split = backend._split
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(backend, "_split", recording_split)
+                llm = LLM(
+                    folder,
+                    **kwargs,
+                    compile=True,
+                    compilation_config={
+                        "mode": mode,
+                        "use_layer_name": use_layer_name,
+                        "passes": {"fuse_kv_write_into_attention": fuse},
+                        "use_cache": False,
+                        "evaluate_guards": True,  # so a batch size that needed a recompile would get one
+                    },
+                )
+                tokens, logits = _run(llm)
             eager_tokens, eager_logits = eager[(model, layer_impl, use_layer_name)]
             cache[case] = {
                 "llm": llm,
@@ -121,6 +133,7 @@ def runs(
                 "logits": logits,
                 "eager_tokens": eager_tokens,
                 "eager_logits": eager_logits,
+                "splits": splits,
             }
         return cache[case]
 
@@ -191,6 +204,47 @@ def test_compiled_forward_calls_attention_without_the_dispatcher(
     dispatched = {op for op in ops if op.startswith("strata::")}
     fused = case[3]
     assert dispatched == (set() if fused else {"strata::kv_cache_update" + ("" if case[2] else "_str")})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pieces_take_sizes_from_their_tensors_not_as_int_inputs(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    """Inductor's C++ wrapper makes a tensor of every int input on every call, so the backend has each
+    piece read a size it needs from a tensor input that has it (`_sizes_from_tensor_inputs`). An int input
+    stays only where no tensor input of the piece has that size (the first piece asserts the kept-row
+    count)."""
+    splits = runs(case)["splits"]
+    assert splits
+    for _, submodules in splits:
+        for piece in submodules.values():
+            if any(backend.is_attention(node) for node in piece.graph.nodes):
+                continue
+            values = [backend._traced_value(n) for n in piece.graph.nodes if n.op == "placeholder"]
+            tensor_sizes = {
+                size.node.expr
+                for value in values
+                if isinstance(value, torch.Tensor)
+                for size in value.shape
+                if isinstance(size, torch.SymInt)
+            }
+            int_inputs = {value.node.expr for value in values if isinstance(value, torch.SymInt)}
+            assert not int_inputs & tensor_sizes
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_pieces_are_called_straight_into_inductors_code(
+    runs: Callable[..., dict[str, Any]], case: Any
+) -> None:
+    """After a piece's first call its CPU code is called without AOTAutograd's runtime wrapper and
+    `CompiledFxGraph.__call__` (`backend.inductor_code`); the latter marks each call it makes in a profile.
+    The outputs of those direct calls are what the matches-eager test compares."""
+    llm = runs(case)["llm"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
+    events = {event.key for event in profile.key_averages()}
+    assert "strata_cpu::paged_decode_attention" in events  # the profiler saw the step
+    assert not [event for event in events if event.startswith("## Call CompiledFxGraph")]
 
 
 def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str, Any]]) -> None:

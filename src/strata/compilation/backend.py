@@ -129,7 +129,52 @@ def _split(gm: fx.GraphModule) -> fx.GraphModule:
             partition += 2
         else:
             assignment[node] = partition
-    return split_module(gm, None, lambda node: assignment[node], keep_original_order=True, tuple_return=True)
+    split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True, tuple_return=True)
+    for call in split.graph.nodes:
+        if call.op == "call_module" and not any(
+            is_attention(node) for node in split.get_submodule(call.target).graph.nodes
+        ):
+            _sizes_from_tensor_inputs(call, split.get_submodule(call.target))
+    split.recompile()
+    return split
+
+
+def _traced_value(node: fx.Node) -> Any:
+    """The fake value Dynamo recorded for a node of its graph."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _sizes_from_tensor_inputs(call: fx.Node, piece: fx.GraphModule) -> None:
+    """Make a piece read each size it takes as an int input (the token count) from a tensor input that has it.
+
+    Inductor's C++ wrapper turns every int input into a new tensor on each call (about 6 us each, two per
+    piece at batch 1); a size read from a tensor costs nothing. `call` is the piece's call in the split graph,
+    whose arguments lose the inputs the piece no longer takes.
+    """
+    placeholders = [node for node in piece.graph.nodes if node.op == "placeholder"]
+    dims: dict[Any, tuple[fx.Node, int]] = {}
+    for node in placeholders:
+        value = _traced_value(node)
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    dims.setdefault(size.node.expr, (node, dim))
+    dropped = set()
+    for index, node in enumerate(placeholders):
+        value = _traced_value(node)
+        if not isinstance(value, torch.SymInt) or value.node.expr not in dims:
+            continue
+        with piece.graph.inserting_after(placeholders[-1]):
+            size = piece.graph.call_function(torch.ops.aten.sym_size.int, dims[value.node.expr])
+        size.meta["example_value"] = value
+        node.replace_all_uses_with(size)
+        piece.graph.erase_node(node)
+        if not size.users:
+            piece.graph.erase_node(size)
+        dropped.add(index)
+    if dropped:
+        call.args = tuple(arg for index, arg in enumerate(call.args) if index not in dropped)
+        piece.recompile()
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -160,7 +205,8 @@ class _PieceCompiler(torch.fx.Interpreter):
 
 
 class _CompiledPiece(torch.nn.Module):
-    """A compiled piece in place of its submodule: Inductor callables take a flat argument list."""
+    """A compiled piece in place of its submodule in the split graph: Inductor callables take a flat argument
+    list."""
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         super().__init__()
@@ -168,6 +214,62 @@ class _CompiledPiece(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return self.compiled(*args)
+
+
+# The wrappers between a `standalone_compile` artifact (fresh or loaded) and Inductor's `CompiledFxGraph` that
+# `inductor_code` steps over, by code name. For a piece traced for inference none changes what it computes.
+_PASS_THROUGH_WRAPPERS = frozenset(
+    {
+        "CacheCompiledArtifact._load_impl.<locals>.<lambda>",  # packs the arguments into a list
+        "DisableContext.__call__.<locals>._fn",  # keeps Dynamo off during the call
+        "aot_module_simplified.<locals>.forward",  # prepends lifted parameters: required to be none
+        "_create_runtime_wrapper.<locals>.runtime_wrapper",  # grad mode, first-call op checks, output views
+    }
+)
+
+
+def inductor_code(artifact: Any) -> Callable[[list[Any]], Any] | None:
+    """The code Inductor generated for a CPU piece, callable on a list of inputs; None for any other artifact.
+
+    `standalone_compile`'s artifact reaches that code through AOTAutograd's runtime wrapper and Inductor's
+    `CompiledFxGraph.__call__`: about 10 us a call together, a tenth of a small piece at batch 1. The path is
+    followed only through the known `_PASS_THROUGH_WRAPPERS`; any other wrapper (one that adds inputs, say)
+    leaves the piece on its artifact. Tests check that the pinned torch's artifacts are recognised.
+    """
+    from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
+    from torch._inductor.output_code import CompiledFxGraph
+
+    fn = getattr(artifact, "_compiled_fn", None)
+    for _ in range(len(_PASS_THROUGH_WRAPPERS) + 2):
+        if isinstance(fn, CompiledFxGraph):
+            return fn.current_callable if set(fn.device_types) <= {"cpu"} else None
+        if isinstance(fn, SerializableCompiledFunction):  # calls `compiled_fn`, keeps a way to save it
+            fn = fn.compiled_fn
+            continue
+        code = getattr(fn, "__code__", None)
+        if code is None or code.co_qualname not in _PASS_THROUGH_WRAPPERS:
+            return None
+        free = dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ()), strict=True))
+        if free.get("params_buffers_flat"):
+            return None
+        fn = getattr(fn, "__wrapped__", None) or free.get("compiled_fn")
+    return None
+
+
+class _PieceCall:
+    """How the runtime graph calls a compiled piece: the first call through its artifact (whose runtime wrapper
+    checks the custom ops on a first call), later calls straight into `inductor_code` where it is found."""
+
+    def __init__(self, artifact: Callable[..., Any]) -> None:
+        self.artifact = artifact
+        self.code = inductor_code(artifact)
+        self.first = True
+
+    def __call__(self, *args: Any) -> Any:
+        if self.code is None or self.first:
+            self.first = False
+            return self.artifact(*args)
+        return self.code(list(args))
 
 
 class StrataBackend:
@@ -258,7 +360,7 @@ class StrataBackend:
 _LOADING_BACKEND: contextvars.ContextVar[StrataBackend] = contextvars.ContextVar("strata_loading_backend")
 
 
-class _EagerAttention(torch.nn.Module):
+class _EagerAttention:
     """An attention submodule of the split graph run as its op's Python implementation.
 
     The split graph runs outside any trace, so the custom op's dispatcher round trip and the submodule's own
@@ -267,17 +369,16 @@ class _EagerAttention(torch.nn.Module):
     """
 
     def __init__(self, impl: Callable[..., Any], call: fx.Node, placeholders: list[fx.Node]) -> None:
-        super().__init__()
         self.impl = impl
         position = {node: index for index, node in enumerate(placeholders)}
         # Per argument of the call: the index of the input it is, or None and the constant it is.
         self.arguments = [(position[a], None) if isinstance(a, fx.Node) else (None, a) for a in call.args]
 
-    def forward(self, *inputs: Any) -> tuple[Any]:
+    def __call__(self, *inputs: Any) -> tuple[Any]:
         return (self.impl(*[value if index is None else inputs[index] for index, value in self.arguments]),)
 
 
-def _eager_attention(submodule: torch.nn.Module) -> torch.nn.Module:
+def _eager_attention(submodule: torch.nn.Module) -> Callable[..., Any]:
     """`_EagerAttention` for a submodule that is one attention call on its inputs; any other, unchanged."""
     if not isinstance(submodule, fx.GraphModule):
         return submodule
@@ -294,7 +395,8 @@ def _eager_attention(submodule: torch.nn.Module) -> torch.nn.Module:
 class CompiledGraph(SerializableCallable):
     """The split forward with its compiled pieces: what the backend returns to Dynamo.
 
-    Runs the split graph with its attention submodules as `_EagerAttention`. Serialised as the split graph
+    Runs the split graph with its pieces called as `_PieceCall`s and its attention submodules as
+    `_EagerAttention`s: plain callables, which skip `nn.Module.__call__` (two per layer a step). Serialised as the split graph
     with each compiled piece replaced by its key; deserialising takes the pieces from the backend of
     `StrataBackend.loading`.
     """
@@ -303,7 +405,7 @@ class CompiledGraph(SerializableCallable):
         self.split = split
         self.piece_keys = piece_keys
         children = {
-            name: module if name in piece_keys else _eager_attention(module)
+            name: _PieceCall(module.compiled) if name in piece_keys else _eager_attention(module)
             for name, module in split.named_children()
         }
         self.runtime = fx.GraphModule(children, split.graph)
