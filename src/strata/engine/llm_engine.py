@@ -221,7 +221,7 @@ class LLMEngine:
             )
             for item in sampling
         ]
-        logits = model_output.logits[model_output.sample_rows]
+        logits = model_output.sampled_logits()
         metadata = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device)
         result = self.sampler(logits, metadata)
         return result.sampled_token_ids, result.logprobs

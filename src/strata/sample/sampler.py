@@ -63,10 +63,10 @@ class Sampler:
             raise ValueError(
                 f"logits must have at least vocab_size={metadata.vocab_size} columns, got {logits.shape[1]}"
             )
-        # Always a fresh float32 copy: the stages below work in place and must not touch the caller's logits.
-        work = logits[:, : metadata.vocab_size].to(
-            torch.float32, memory_format=torch.contiguous_format, copy=True
-        )
+        work = logits[:, : metadata.vocab_size]
+        if work.dtype != torch.float32 or _modifies_logits(metadata):
+            # A fresh float32 copy: the stages below work in place and must not touch the caller's logits.
+            work = work.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         logprob_rows = [i for i, k in enumerate(metadata.num_logprobs) if k is not None]
         raw_logprobs = _raw_logprobs(work, logprob_rows)
 
@@ -117,6 +117,15 @@ class Sampler:
             noise[row].uniform_(generator=generator)
         # A backend whose uniform_ can return exactly 1 would give q = 0 and a NaN argmax winner.
         return noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _modifies_logits(metadata: SamplingMetadata) -> bool:
+    """Whether any stage writes to the logits: all but greedy rows without bans or penalties, which only
+    read them (a copy of a [B, V] row costs as much as the argmax itself)."""
+    return not metadata.all_greedy or any(
+        value is not None
+        for value in (metadata.min_tokens_ban, metadata.repetition_ids, metadata.output_penalty_ids)
+    )
 
 
 def _raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:

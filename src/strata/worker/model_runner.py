@@ -38,6 +38,14 @@ class ModelOutput:
     sample_rows: list[int]  # row of `logits` to sample from, per sampling sequence (in scheduled order)
     prompt_rows: dict[int, tuple[int, int]]  # scheduled index -> (first row, number of prompt-logprob rows)
 
+    def sampled_logits(self) -> torch.Tensor:
+        """The rows to sample from, in order: `logits` itself when those are all its rows (the usual step,
+        and then no copy of [rows, vocab] floats), else the selected rows."""
+        if self.sample_rows == list(range(self.logits.shape[0])):
+            return self.logits
+        rows = torch.tensor(self.sample_rows, dtype=torch.int64, device=self.logits.device)
+        return self.logits.index_select(0, rows)
+
 
 def _available_memory_bytes() -> int:
     try:
