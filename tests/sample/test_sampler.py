@@ -299,6 +299,27 @@ def test_stages_are_skipped_when_unused() -> None:
     np.testing.assert_allclose(md.output_penalty_offsets.tolist(), [0.25 * 2 + 0.5, 0.25 + 0.5])
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),  # greedy reads the logits in place, without a copy
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
+        SamplingParams(temperature=0.7, top_k=4, top_p=0.9, min_p=0.05),
+    ],
+    ids=["greedy", "penalties", "min-tokens", "random"],
+)
+def test_caller_logits_are_never_modified(params: SamplingParams) -> None:
+    logits = torch.randn(2, 12, generator=torch.Generator().manual_seed(3))
+    before = logits.clone()
+    md = build([params, params], 10, [[1, 2]] * 2, [[3, 3]] * 2, eos=[5])
+    sampled = Sampler(torch.Generator().manual_seed(0))(logits, md).sampled_token_ids
+    torch.testing.assert_close(logits, before, rtol=0, atol=0)
+    if params.temperature == 0.0:
+        expected = [np.argmax(ref_penalised(row[:10].numpy(), params, [1, 2], [3, 3], [5])) for row in before]
+        assert sampled == expected
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_min_tokens_bans_eos_and_stop_ids_until_reached(ignore_eos: bool) -> None:
     vocab, eos, stop_id = 10, [9, 8], 7

@@ -142,6 +142,8 @@ def _apply_penalties(work: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
     Touches only the sparse (row, id) entries of the histories; `work` must be contiguous.
     """
+    if metadata.repetition_ids is None and metadata.output_penalty_ids is None:
+        return work
     flat = work.view(-1)
     if metadata.repetition_ids is not None:
         ids, factors = metadata.repetition_ids, metadata.repetition_factors
