@@ -4,6 +4,7 @@ decode steps to it; and the engine's greedy output does not change when the kern
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,15 +30,18 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """One entry per call of the kernel op, which is wrapped for the test."""
+    """One entry per call of a decode-attention kernel op (alone or with the cache write), each wrapped."""
     calls: list[int] = []
-    kernel = torch.ops.strata_cpu.paged_decode_attention
 
-    def spy(*args: object) -> torch.Tensor:
-        calls.append(1)
-        return kernel(*args)
+    def spy(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def counted(*args: object) -> torch.Tensor:
+            calls.append(1)
+            return kernel(*args)
 
-    monkeypatch.setattr(torch.ops.strata_cpu, "paged_decode_attention", spy)
+        return counted
+
+    for name in ("paged_decode_attention", "decode_attention_with_kv_write"):
+        monkeypatch.setattr(torch.ops.strata_cpu, name, spy(getattr(torch.ops.strata_cpu, name)))
     return calls
 
 
@@ -187,6 +191,40 @@ def test_cpu_backend_sends_decode_steps_to_the_kernel_and_the_rest_to_torch_nati
     out = cpu.paged_attention(queries, kv_cache, mixed, *settings)
     assert kernel_calls == [1]
     torch.testing.assert_close(out, torch_native.paged_attention(queries, kv_cache, mixed, *settings))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_write_and_attend_is_one_kernel_call_with_the_reference_result(
+    kernel_calls: list[int], cache_dtype: torch.dtype
+) -> None:
+    """The new keys and values land in the cache and are attended to, as the reference's write-then-attend."""
+    query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, cache_dtype)
+    kv_cache = torch.stack([k_cache, v_cache])
+    generator = torch.Generator().manual_seed(1)
+    key, value = torch.randn(2, len(SEQ_LENS), 2, 64, generator=generator).to(cache_dtype)
+    # Each sequence's new token is its last one, in the block its table lists for that position.
+    last = [length - 1 for length in SEQ_LENS]
+    slots = [int(block_tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for b, p in enumerate(last)]
+    decode = dataclasses.replace(
+        _metadata([1] * len(SEQ_LENS), block_tables, seq_lens), slot_mapping=torch.tensor(slots)
+    )
+    settings = (0.125, 0.0, 0)
+    expected_cache = kv_cache.clone()
+    expected = torch_native.write_and_attend(query, key, value, expected_cache, decode, *settings)
+    out = cpu.write_and_attend(query, key, value, kv_cache, decode, *settings)
+    assert kernel_calls == [1]
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[cache_dtype], atol=TOLERANCE[cache_dtype])
+
+
+def test_decode_write_and_attend_rejects_a_cache_without_its_key_value_axis() -> None:
+    query, k_cache, _, block_tables, seq_lens = _paged_inputs(4, 4, 16, torch.float32)
+    key = torch.zeros(len(SEQ_LENS), 4, 16)
+    with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, num_blocks"):
+        torch.ops.strata_cpu.decode_attention_with_kv_write(
+            query, key, key, k_cache, _metadata([1] * len(SEQ_LENS), block_tables, seq_lens).slot_mapping,
+            block_tables, seq_lens, 0.25, 0.0, 0,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])

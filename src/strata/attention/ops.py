@@ -12,7 +12,8 @@ to the compiler each call looks the same apart from the name, and with `LayerNam
   output of the write that orders it before the attention reading the cache.
 
 Each is registered twice (`LayerNameOp`): taking `LayerNameType` and, as `<name>_str`, taking `str`.
-The cache write and attention go to the backend for the cache's device (`write_to_kv_cache`, `paged_attention`).
+The cache write and attention go to the backend for the cache's device (`write_to_kv_cache`, `paged_attention`,
+and both at once, `write_and_attend`).
 """
 
 from __future__ import annotations
@@ -110,8 +111,10 @@ def _attention_with_kv_write(
 ) -> torch.Tensor:
     """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache, then attend; query/out [T, H, D]."""
     kv_cache, metadata = _cache_and_metadata(layer_name)
-    write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
+    backend = _backend(kv_cache)
+    return backend.write_and_attend(
+        query, key, value, kv_cache, metadata, scale, softcap, sliding_window
+    ).contiguous()
 
 
 def _attention_with_kv_write_fake(

@@ -3,7 +3,8 @@
 `strata_cpu::paged_decode_attention` reads each sequence's keys and values where they lie in the paged cache;
 the pure-PyTorch decode path first copies them into a padded tensor, per layer per step. Prefill and mixed
 steps, and caches of a dtype the kernel does not read, use the reference backend. Every step's cache write
-goes through `strata_cpu::write_kv_cache`: one call where `index_copy_` takes two, each with its views.
+goes through `strata_cpu::write_kv_cache`: one call where `index_copy_` takes two, each with its views. A
+decode step that writes and attends (`write_and_attend`) is one call, `strata_cpu::decode_attention_with_kv_write`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def write_to_kv_cache(
         torch_native.write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
 
+def _decode_kernel_serves(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+    return metadata.is_pure_decode and query.device.type == "cpu" and _kernel_serves(kv_cache)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -54,7 +59,7 @@ def paged_attention(
     their fake implementations), so the one-time build in `cpu_kernels.load` happens at the first real
     decode step, outside any compilation, and is a cached lookup afterwards.
     """
-    if metadata.is_pure_decode and query.device.type == "cpu" and _kernel_serves(kv_cache):
+    if _decode_kernel_serves(query, kv_cache, metadata):
         k_cache, v_cache = kv_cache.unbind(0)
         return torch.ops.strata_cpu.paged_decode_attention(
             query,
@@ -67,3 +72,31 @@ def paged_attention(
             sliding_window,
         )
     return torch_native.paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+
+
+def write_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """`torch_native.write_and_attend`'s contract; a decode step on the kernels is one call for both."""
+    if _decode_kernel_serves(query, kv_cache, metadata):
+        return torch.ops.strata_cpu.decode_attention_with_kv_write(
+            query,
+            key,
+            value,
+            kv_cache,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            metadata.seq_lens,
+            scale,
+            softcap,
+            sliding_window,
+        )
+    write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)

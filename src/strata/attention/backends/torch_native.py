@@ -130,3 +130,18 @@ def paged_attention(
             query[q_start:q_end], key, value, query_offset, key_offset, scale, softcap, sliding_window
         )
     return out
+
+
+def write_and_attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """A layer's attention step: store this step's keys and values, then attend (`paged_attention`)."""
+    write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)

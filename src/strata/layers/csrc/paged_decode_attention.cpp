@@ -535,6 +535,22 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   write_rows(op, value, v_cache, slots);
 }
 
+// A decode step's whole attention for one layer in one call: store this step's keys and values, then attend.
+// kv_cache [2, num_blocks, block_size, Hkv, D] is the layer's cache as the engine allocates it, keys then values,
+// so Python passes it as it is instead of splitting it into two views first (a third of the call's Python cost).
+at::Tensor decode_attention_with_kv_write(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                          double softcap, int64_t sliding_window) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "strata_cpu::decode_attention_with_kv_write: kv_cache must be [2, num_blocks, block_size, "
+              "kv_heads, head_dim], got ",
+              kv_cache.sizes());
+  const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+  return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window);
+}
+
 }  // namespace
 
 // A fragment: `small_batch_linear.cpp` owns the strata_cpu namespace, and either library may load first.
@@ -545,9 +561,14 @@ TORCH_LIBRARY_FRAGMENT(strata_cpu, m) {
   m.def(
       "write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) "
       "-> ()");
+  m.def(
+      "decode_attention_with_kv_write(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, float softcap, int sliding_window) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("decode_attention_with_kv_write", &decode_attention_with_kv_write);
 }
