@@ -238,7 +238,7 @@ def get_current_layer_config() -> LayerConfig:
     return _current_layer_config.get() or LayerConfig()
 
 
-FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attention")
+FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attention", "group_sibling_linears")
 COMPILE_MODES = ("model", "layer")
 
 

@@ -176,6 +176,33 @@ def test_kernel_every_small_row_count_odd_shapes_and_dtypes(
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9])
+def test_linear_group_equals_one_linear_per_weight(
+    xdtype: torch.dtype, wdtype: torch.dtype, rows: int
+) -> None:
+    """Row counts up to 8 take the grouped kernel (one parallel region over every weight's rows, including
+    weights whose rows do not fill a 16-row tile), 9 the per-weight path; each output is what `linear` gives."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 200, generator=generator).to(xdtype)
+    weights = [torch.randn(n, 200, generator=generator).to(wdtype) for n in (300, 37, 37, 5000)]
+    outputs = torch.ops.strata_cpu.linear_group(x, weights)
+    for output, weight in zip(outputs, weights, strict=True):
+        expected = torch.ops.strata_cpu.linear(x, weight, None, None)
+        assert output.dtype == expected.dtype and output.shape == expected.shape
+        torch.testing.assert_close(output, expected, rtol=0, atol=0)
+
+
+def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weight() -> None:
+    x = torch.randn(2, 64)
+    weights = [torch.randn(32, 64), torch.randn(64, 16).t(), torch.randn(8, 64).bfloat16()]
+    for output, weight in zip(torch.ops.strata_cpu.linear_group(x, weights), weights, strict=True):
+        torch.testing.assert_close(output, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="needs at least one weight"):
+        torch.ops.strata_cpu.linear_group(x, [])
+
+
 def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers() -> None:
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 2000, generator=generator)

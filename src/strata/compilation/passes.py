@@ -11,7 +11,10 @@ itself, so the pass finds nothing there.
 dependency tensor. It also leaves the compiled pieces without any op that takes a `LayerName`, so they can
 use Inductor's C++ wrapper (`backend.piece_options`).
 
-The pattern contains layer-name ops, so it is written the way `LayerName` needs: with `LayerName` the name
+`group_sibling_linears` turns the CPU linears that read one input (a layer's q, k and v projections) into
+one `strata_cpu::linear_group` call: one dispatch and one parallel region for all three at decode sizes.
+
+The attention pattern contains layer-name ops, so it is written the way `LayerName` needs: with `LayerName` the name
 is a pattern input (`KeywordArg`), registered once, and matches every layer; with `str` names each name is
 a constant of the graph, so one pattern per layer is registered with that layer's name as a literal. A
 `str` pattern against a `LayerName` graph (or the reverse) silently matches nothing, which is why the tests
@@ -151,6 +154,45 @@ def fuse_residual_add_into_rms_norm(gm: fx.GraphModule) -> int:
     return count
 
 
+def group_sibling_linears(gm: fx.GraphModule) -> int:
+    """Replace the `strata_cpu::linear` calls that read one input (a layer's q, k and v projections) by one
+    `strata_cpu::linear_group` call: at decode sizes one dispatch and one parallel region for all of them.
+    HF reshapes the input once per projection, so inputs count as one when they are the same operation on the
+    same arguments. Only plain weights group (no int8 scale, no bias). Returns the number of groups made."""
+    ops = torch.ops.strata_cpu
+    if not hasattr(ops, "linear_group"):
+        return 0  # the kernel is not loaded: linears are not Strata's op in this graph
+    linears = (ops.linear, ops.linear.default)
+    groups: dict[Any, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if not _is_call(node, linears) or node.kwargs or len(node.args) != 4 or node.args[2:] != (None, None):
+            continue
+        x = node.args[0]
+        if not isinstance(x, fx.Node):
+            continue
+        same_as = (x.op, x.target, x.args, tuple(x.kwargs.items())) if x.op != "placeholder" else x
+        groups.setdefault(same_as, []).append(node)
+    count = 0
+    graph = gm.graph
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        x = members[0].args[0]
+        with graph.inserting_before(members[0]):
+            group = graph.call_function(ops.linear_group.default, (x, [m.args[1] for m in members]))
+        for index, member in enumerate(members):
+            with graph.inserting_after(group):
+                output = graph.call_function(operator.getitem, (group, index))
+            output.meta.update(member.meta)
+            member.replace_all_uses_with(output)
+            old_input = member.args[0]
+            graph.erase_node(member)
+            if isinstance(old_input, fx.Node) and old_input is not x and not old_input.users:
+                graph.erase_node(old_input)
+        count += 1
+    return count
+
+
 def build_passes(
     layer_names: Sequence[str | LayerName], enabled: Callable[[str], bool]
 ) -> dict[str, GraphPass]:
@@ -160,4 +202,6 @@ def build_passes(
         passes["fuse_residual_add_into_rms_norm"] = fuse_residual_add_into_rms_norm
     if enabled("fuse_kv_write_into_attention"):
         passes["fuse_kv_write_into_attention"] = fuse_kv_write_into_attention(layer_names)
+    if enabled("group_sibling_linears"):
+        passes["group_sibling_linears"] = group_sibling_linears
     return passes

@@ -101,13 +101,18 @@ def load(name: str) -> bool:
 
 
 def _register_linear_fake() -> None:
-    """Output shapes of `strata_cpu::linear` for `torch.compile`, which traces with fake tensors."""
+    """Output shapes of `strata_cpu::linear` and `linear_group` for `torch.compile`, which traces with fake
+    tensors."""
 
     @torch.library.register_fake("strata_cpu::linear")
     def _linear_fake(
         x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("strata_cpu::linear_group")
+    def _linear_group_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[0], weight.shape[0]) for weight in weights]
 
 
 def _register_paged_decode_attention_fake() -> None:

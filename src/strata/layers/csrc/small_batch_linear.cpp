@@ -141,30 +141,41 @@ void small_batch_rows(const float* x, const W* w, const float* scale, const B* b
   }
 }
 
+// `small_batch_rows` for the M (1 to kMaxRows) rows of x known only at run time.
 template <typename W, typename B, typename O>
-void small_batch_kernel(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
-                        int64_t N, int64_t K) {
-  const int64_t groups = (N + kLanes - 1) / kLanes;
-  const int64_t group_work =
-      std::max<int64_t>(1, kLanes * K * static_cast<int64_t>(sizeof(W)) * (M + 1) / 2);
+void small_batch_rows_m(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
+                        int64_t N, int64_t K, int64_t g_begin, int64_t g_end) {
+  switch (M) {
+    case 1: small_batch_rows<1>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 2: small_batch_rows<2>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 3: small_batch_rows<3>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 4: small_batch_rows<4>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 5: small_batch_rows<5>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 6: small_batch_rows<6>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 7: small_batch_rows<7>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    default: small_batch_rows<8>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+  }
+}
+
+// Runs run(begin, end) over [0, groups) row groups of `element_size`-byte weights with K columns: on this
+// thread when there is one thread's worth of work (no parallel region at all), else split over ATen's threads.
+template <typename F>
+void for_row_groups(int64_t groups, int64_t K, int64_t element_size, int64_t M, const F& run) {
+  const int64_t group_work = std::max<int64_t>(1, kLanes * K * element_size * (M + 1) / 2);
   const int64_t grain = std::max<int64_t>(1, (kMinWorkPerThread + group_work - 1) / group_work);
-  auto run = [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: small_batch_rows<1>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 2: small_batch_rows<2>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 3: small_batch_rows<3>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 4: small_batch_rows<4>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 5: small_batch_rows<5>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 6: small_batch_rows<6>(x, w, scale, bias, out, N, K, begin, end); break;
-      case 7: small_batch_rows<7>(x, w, scale, bias, out, N, K, begin, end); break;
-      default: small_batch_rows<8>(x, w, scale, bias, out, N, K, begin, end); break;
-    }
-  };
   if (groups <= grain) {
-    run(0, groups);  // one thread's worth: no parallel region at all
+    run(0, groups);
   } else {
     at::parallel_for(0, groups, grain, run);
   }
+}
+
+template <typename W, typename B, typename O>
+void small_batch_kernel(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
+                        int64_t N, int64_t K) {
+  for_row_groups((N + kLanes - 1) / kLanes, K, sizeof(W), M, [&](int64_t begin, int64_t end) {
+    small_batch_rows_m(x, w, scale, bias, out, M, N, K, begin, end);
+  });
 }
 
 template <typename W, typename O>
@@ -255,10 +266,61 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return xtype == at::kFloat ? out : out.to(xtype);
 }
 
+template <typename W>
+void group_kernel(const float* x, at::TensorList weights, std::vector<at::Tensor>& outs, int64_t M, int64_t K) {
+  std::vector<int64_t> first_group{0};  // weight i owns row groups [first_group[i], first_group[i + 1])
+  for (const auto& w : weights) first_group.push_back(first_group.back() + (w.size(0) + kLanes - 1) / kLanes);
+  for_row_groups(first_group.back(), K, sizeof(W), M, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t lo = std::max(begin, first_group[i]), hi = std::min(end, first_group[i + 1]);
+      if (lo >= hi) continue;
+      small_batch_rows_m(x, weights[i].data_ptr<W>(), nullptr, static_cast<const float*>(nullptr),
+                         outs[i].data_ptr<float>(), M, weights[i].size(0), K, lo - first_group[i],
+                         hi - first_group[i]);
+    }
+  });
+}
+
+// x @ weight.T for each of several weights that read the same x (a layer's q, k and v projections): for
+// decode-sized x one call and one parallel region over all their rows, where separate `linear` calls each
+// pay a dispatch, a fork and a join (about 4 us at batch 1). Weights of one dtype, float32 or bfloat16,
+// contiguous; anything else, and wider x, is `linear` per weight.
+std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList weights) {
+  TORCH_CHECK(!weights.empty(), "strata_cpu::linear_group: needs at least one weight");
+  bool grouped = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
+                 (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  for (const auto& w : weights) {
+    grouped = grouped && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous() &&
+              w.scalar_type() == weights[0].scalar_type() &&
+              (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
+  }
+  std::vector<at::Tensor> outs;
+  if (!grouped) {
+    for (const auto& w : weights) outs.push_back(linear(x, w, std::nullopt, std::nullopt));
+    return outs;
+  }
+  const at::Tensor xf = as_float_contiguous(x);
+  const int64_t M = x.size(0), K = x.size(1);
+  for (const auto& w : weights) outs.push_back(at::empty({M, w.size(0)}, xf.options()));
+  if (weights[0].scalar_type() == at::kFloat) {
+    group_kernel<float>(xf.data_ptr<float>(), weights, outs, M, K);
+  } else {
+    group_kernel<c10::BFloat16>(xf.data_ptr<float>(), weights, outs, M, K);
+  }
+  if (x.scalar_type() != at::kFloat) {
+    for (auto& out : outs) out = out.to(x.scalar_type());
+  }
+  return outs;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(strata_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("linear_group", &linear_group);
+}
