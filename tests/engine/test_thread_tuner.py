@@ -49,6 +49,17 @@ def test_busy_neighbour_drops_to_one_thread_and_recovers_when_it_leaves() -> Non
     assert tuner.threads == 2
 
 
+def test_neighbour_arriving_is_met_within_a_window_not_a_period() -> None:
+    """With a period far longer than the run, only the first probe is periodic; a neighbour that makes the
+    steps slower than the fastest seen triggers a probe at once."""
+    calls: list[int] = []
+    tuner = ThreadTuner(2, calls.append, window=4, period=10_000)
+    quiet = _run(tuner, QUIET, 200)
+    assert quiet[20:].count(1) == 0  # after the first probe, no more on a steady machine
+    busy = _run(tuner, BUSY_NEIGHBOUR, 20)
+    assert busy[:2] == [2, 2] and busy[-10:] == [1] * 10 and tuner.threads == 1
+
+
 def test_probe_meeting_other_work_is_abandoned() -> None:
     """A probe compares identical steps only: when the shape changes mid-probe it returns to the count
     that ran before, whatever the times say."""

@@ -6,10 +6,12 @@ barrier waits for it: two threads on a two-core machine with a busy neighbour de
 one thread would. The right count therefore depends on what else runs on the machine, and changes.
 
 `ThreadTuner` watches runs of identical steps (same number of sequences and tokens, so the same work).
-After the first `window` of them, and then every `period` steps, it takes the median time of the last `window` such steps as the baseline, runs the
-next `window` identical steps with one thread fewer (or, below the configured count, one more), and keeps
-whichever count was faster by more than the noise margin. A probe that meets a different step shape is
-abandoned. On a quiet machine a probe costs `window` slower steps every `period` (about 1-2%).
+It probes after the first `window` of them, every `period` steps after that, and at once when the steps
+get slower by more than `slowdown` than the fastest they ran at this count (a neighbour arriving): it takes
+the median time of the last `window` such steps as the baseline, runs the next `window` identical steps with
+one thread fewer (or, below the configured count, one more), and keeps whichever count was faster by more
+than the noise margin. A probe that meets a different step shape is abandoned. On a quiet machine a probe
+costs `window` slower steps every `period` (about 0.5%); a neighbour is still met within a window.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class ThreadTuner:
         max_threads: int,
         set_threads: Callable[[int], None],
         window: int = 16,
-        period: int = 512,
+        period: int = 2048,
         margin: float = 0.05,
+        slowdown: float = 0.25,
     ) -> None:
         if max_threads < 1 or window < 1 or period <= 2 * window:
             raise ValueError("need max_threads >= 1, window >= 1 and period > 2 * window")
@@ -42,10 +45,12 @@ class ThreadTuner:
         self.window = window
         self.period = period
         self.margin = margin
+        self.slowdown = slowdown
         self._shape: StepShape | None = None
         self._times: list[float] = []  # the current run of identical steps at `self.threads`
         self._since_probe = period - window  # the first probe follows the first full window
         self._baseline: float | None = None  # median seconds at `_return_to` while probing
+        self._fastest: float | None = None  # fastest window median at this count and step shape
         self._return_to = max_threads
         self._probe_fewer = False
 
@@ -55,7 +60,7 @@ class ThreadTuner:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape != self._shape:
-            self._shape, self._times = shape, []
+            self._shape, self._times, self._fastest = shape, [], None
             if self.probing:  # other work: the probe's times would not compare
                 self._switch(self._return_to)
                 self._baseline = None
@@ -72,7 +77,10 @@ class ThreadTuner:
                 logger.info("%d threads run this step %.0f%% faster: keeping them", self.threads,
                             100 * (1 - recent / self._baseline))  # fmt: skip
             self._baseline, self._times, self._since_probe = None, [], 0
-        elif self._since_probe >= self.period and self.max_threads > 1:
+            return
+        self._fastest = recent if self._fastest is None else min(self._fastest, recent)
+        slowed = recent > self._fastest * (1 + self.slowdown)
+        if (self._since_probe >= self.period or slowed) and self.max_threads > 1:
             self._baseline, self._return_to = recent, self.threads
             self._switch(self._candidate())
             self._times = []
@@ -89,5 +97,5 @@ class ThreadTuner:
 
     def _switch(self, threads: int) -> None:
         if threads != self.threads:
-            self.threads = threads
+            self.threads, self._fastest = threads, None
             self.set_threads(threads)
