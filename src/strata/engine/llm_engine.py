@@ -60,7 +60,10 @@ class LLMEngine:
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
-        self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed))
+        self.sampler = Sampler(
+            torch.Generator().manual_seed(model_config.seed),
+            cpu_kernel=torch.device(config.device).type == "cpu",
+        )
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._token_text_cache: dict[int, str] = {}

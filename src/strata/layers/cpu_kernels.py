@@ -152,8 +152,17 @@ def _register_rms_norm_fake() -> None:
         return x.new_empty(x.shape, dtype=out_dtype(x, weight, weight_offset)), x.new_empty(x.shape)
 
 
+def _register_argmax_fake() -> None:
+    """Output of `strata_cpu::argmax_rows` for `torch.compile`: one int64 index per row."""
+
+    @torch.library.register_fake("strata_cpu::argmax_rows")
+    def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], dtype=torch.int64)
+
+
 # Each kernel's ops need their fake implementations registered once the library is loaded.
 _FAKE_REGISTRATIONS = {
+    "argmax": _register_argmax_fake,
     "small_batch_linear": _register_linear_fake,
     "paged_decode_attention": _register_paged_decode_attention_fake,
     "rms_norm": _register_rms_norm_fake,

