@@ -24,9 +24,8 @@ def _run(
     return counts
 
 
-def _tuner(max_threads: int = 2) -> tuple[ThreadTuner, list[int]]:
-    calls: list[int] = []
-    return ThreadTuner(max_threads, calls.append, window=4, period=20), calls
+def _tuner(max_threads: int = 2) -> ThreadTuner:
+    return ThreadTuner(max_threads, window=4, period=20)
 
 
 QUIET = {1: 1.0, 2: 0.6}.__getitem__  # two threads faster
@@ -34,14 +33,14 @@ BUSY_NEIGHBOUR = {1: 1.0, 2: 3.0}.__getitem__  # a descheduled thread stalls eve
 
 
 def test_quiet_machine_keeps_every_thread_and_probes_rarely() -> None:
-    tuner, calls = _tuner()
+    tuner = _tuner()
     counts = _run(tuner, QUIET, 200)
-    assert tuner.threads == 2 and calls[-1] == 2
+    assert tuner.threads == 2
     assert counts.count(1) <= 4 * (200 // 20)  # at most one window per period on the slower count
 
 
 def test_busy_neighbour_drops_to_one_thread_and_recovers_when_it_leaves() -> None:
-    tuner, _ = _tuner()
+    tuner = _tuner()
     counts = _run(tuner, BUSY_NEIGHBOUR, 110)
     assert counts[8:12] == [1, 1, 1, 1]  # the first probe comes after the first window: switched at once
     assert tuner.threads == 1 and counts[-20:].count(1) >= 16
@@ -52,8 +51,7 @@ def test_busy_neighbour_drops_to_one_thread_and_recovers_when_it_leaves() -> Non
 def test_neighbour_arriving_is_met_within_a_window_not_a_period() -> None:
     """With a period far longer than the run, only the first probe is periodic; a neighbour that makes the
     steps slower than the fastest seen triggers a probe at once."""
-    calls: list[int] = []
-    tuner = ThreadTuner(2, calls.append, window=4, period=10_000)
+    tuner = ThreadTuner(2, window=4, period=10_000)
     quiet = _run(tuner, QUIET, 200)
     assert quiet[20:].count(1) == 0  # after the first probe, no more on a steady machine
     busy = _run(tuner, BUSY_NEIGHBOUR, 20)
@@ -63,7 +61,7 @@ def test_neighbour_arriving_is_met_within_a_window_not_a_period() -> None:
 def test_probe_meeting_other_work_is_abandoned() -> None:
     """A probe compares identical steps only: when the shape changes mid-probe it returns to the count
     that ran before, whatever the times say."""
-    tuner, _ = _tuner()
+    tuner = _tuner()
     _run(tuner, BUSY_NEIGHBOUR, 30)  # one thread kept after the first probe; now probing two again
     assert tuner.probing and tuner.threads == 2
     _run(tuner, BUSY_NEIGHBOUR, 1, shape=(8, 8))
@@ -71,7 +69,7 @@ def test_probe_meeting_other_work_is_abandoned() -> None:
 
 
 def test_between_one_and_the_maximum_it_tries_both_directions() -> None:
-    tuner, _ = _tuner(max_threads=4)
+    tuner = _tuner(max_threads=4)
     best_at_three = {1: 3.0, 2: 2.0, 3: 1.0, 4: 2.0}.__getitem__
     _run(tuner, best_at_three, 400)
     assert tuner.threads == 3
@@ -79,7 +77,7 @@ def test_between_one_and_the_maximum_it_tries_both_directions() -> None:
 
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="period"):
-        ThreadTuner(2, lambda n: None, window=8, period=10)
+        ThreadTuner(2, window=8, period=10)
 
 
 def test_engine_tunes_only_when_asked() -> None:
@@ -93,3 +91,30 @@ def test_engine_tunes_only_when_asked() -> None:
         on.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
         == off.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     )
+
+
+def test_each_step_runs_with_the_tuners_count_and_the_process_gets_its_own_back() -> None:
+    """torch's thread count is one per process: another engine, or the caller, may change it between two
+    steps. The engine sets its tuner's count for each step and restores the caller's afterwards."""
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(skip_tokenizer_init=True, adaptive_threads=True)
+        tuner = llm.engine.runner.thread_tuner
+        assert tuner is not None and tuner.max_threads == 2
+        seen: list[int] = []
+        llm.apply_model(
+            lambda model: model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+        )
+        tuner.threads = 1  # as if a probe had found one thread faster
+        params = SamplingParams(temperature=0, max_tokens=3)
+        llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        tuner.threads = 2
+        torch.set_num_threads(3)  # changed between steps by someone else
+        seen.clear()
+        llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
+        assert set(seen) == {2} and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(outer)

@@ -7,9 +7,11 @@ which sequence and where their keys and values live in the cache.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +78,7 @@ class ModelRunner:
                 warmup.wait()
             self.compiled = CompiledForward(self.model, config)
         self.thread_tuner = (
-            ThreadTuner(torch.get_num_threads(), torch.set_num_threads)
+            ThreadTuner(torch.get_num_threads())
             if config.adaptive_threads and self.device.type == "cpu" and torch.get_num_threads() > 1
             else None
         )
@@ -174,6 +176,20 @@ class ModelRunner:
         input_ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device).unsqueeze(0)
         return input_ids_t, positions_t.to(self.device).unsqueeze(0), metadata
 
+    @contextlib.contextmanager
+    def _step_threads(self) -> Iterator[None]:
+        """Run a step with the tuner's thread count and give the process back the count it had: torch's count
+        is one per process, shared with other engines and the caller's own work (2 us a switch)."""
+        outer = torch.get_num_threads()
+        wanted = self.thread_tuner.threads if self.thread_tuner is not None else outer
+        if wanted != outer:
+            torch.set_num_threads(wanted)
+        try:
+            yield
+        finally:
+            if wanted != outer:
+                torch.set_num_threads(outer)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> ModelOutput:
         start = time.perf_counter()
@@ -194,7 +210,7 @@ class ModelRunner:
         if not rows:  # a step of prefill chunks only: the cache is filled, no logits are needed
             rows = [0]
         keep = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        with set_forward_context(metadata, self.kv_caches):
+        with set_forward_context(metadata, self.kv_caches), self._step_threads():
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, keep)
             else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable
 
 logger = logging.getLogger("strata.worker")
 
@@ -26,12 +25,13 @@ StepShape = tuple[int, int]  # (sequences, tokens) of one step
 
 
 class ThreadTuner:
-    """Feed it every step's shape and seconds (`observe`); it calls `set_threads` when it changes count."""
+    """Feed it every step's shape and seconds (`observe`); `threads` is the count the next step should run
+    with. The caller applies it per step (`ModelRunner.execute`): torch's thread count is one per process,
+    and another engine or the user may set it between two steps."""
 
     def __init__(
         self,
         max_threads: int,
-        set_threads: Callable[[int], None],
         window: int = 16,
         period: int = 2048,
         margin: float = 0.05,
@@ -41,7 +41,6 @@ class ThreadTuner:
             raise ValueError("need max_threads >= 1, window >= 1 and period > 2 * window")
         self.max_threads = max_threads
         self.threads = max_threads
-        self.set_threads = set_threads
         self.window = window
         self.period = period
         self.margin = margin
@@ -98,4 +97,3 @@ class ThreadTuner:
     def _switch(self, threads: int) -> None:
         if threads != self.threads:
             self.threads, self._fastest = threads, None
-            self.set_threads(threads)
