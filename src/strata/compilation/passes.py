@@ -174,7 +174,11 @@ def group_sibling_linears(gm: fx.GraphModule) -> int:
         groups.setdefault(same_as, []).append(node)
     count = 0
     graph = gm.graph
+    order = {node: index for index, node in enumerate(graph.nodes)}
     for members in groups.values():
+        # The group call goes where the first member was, so each weight must be defined before that.
+        first = order[members[0]]
+        members = [m for m in members if not isinstance(m.args[1], fx.Node) or order[m.args[1]] < first]
         if len(members) < 2:
             continue
         x = members[0].args[0]
