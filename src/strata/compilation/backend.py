@@ -85,6 +85,11 @@ def is_attention(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _ATTENTION_IMPLS
 
 
+def is_piece(submodule: fx.GraphModule) -> bool:
+    """Whether a submodule of the split graph is a piece to compile (it holds no attention call)."""
+    return not any(is_attention(node) for node in submodule.graph.nodes)
+
+
 def _describe_value(value: Any) -> str:
     """Input metadata that decides whether a compiled piece can serve these inputs."""
     if isinstance(value, torch.Tensor):
@@ -131,10 +136,8 @@ def _split(gm: fx.GraphModule) -> fx.GraphModule:
             assignment[node] = partition
     split = split_module(gm, None, lambda node: assignment[node], keep_original_order=True, tuple_return=True)
     for call in split.graph.nodes:
-        if call.op == "call_module" and not any(
-            is_attention(node) for node in split.get_submodule(call.target).graph.nodes
-        ):
-            _sizes_from_tensor_inputs(call, split.get_submodule(call.target))
+        if call.op == "call_module" and is_piece(submodule := split.get_submodule(call.target)):
+            _sizes_from_tensor_inputs(call, submodule)
     split.recompile()
     return split
 
@@ -195,7 +198,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         assert isinstance(target, str)
         submodule = self.fetch_attr(target)
         output = super().call_module(target, args, kwargs)
-        if not any(is_attention(node) for node in submodule.graph.nodes):
+        if is_piece(submodule):
             key = piece_key(submodule, list(args))
             self.piece_keys[target] = key
             setattr(

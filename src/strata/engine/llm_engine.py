@@ -62,7 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.sampler = Sampler(
             torch.Generator().manual_seed(model_config.seed),
-            cpu_kernel=torch.device(config.device).type == "cpu",
+            cpu_kernel=self.runner.device.type == "cpu",
         )
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
