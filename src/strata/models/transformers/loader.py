@@ -29,6 +29,7 @@ from strata.models.transformers.attention import (
     register_attention_interface,
 )
 from strata.models.transformers.fusers import WeightMapping, WeightTarget, fuse_layers, replace_linears
+from strata.models.transformers.hub_kernels import unwrap_hub_kernels
 from strata.models.transformers.quantization import (
     QSCALE_SUFFIX,
     QWEIGHT_SUFFIX,
@@ -93,6 +94,8 @@ def build_model(
             model = AutoModelForCausalLM.from_config(
                 hf_config, attn_implementation=ATTN_IMPLEMENTATION, dtype=model_config.torch_dtype
             )
+        if restored := unwrap_hub_kernels(model):
+            logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
         weight_mapping = fuse_layers(model)
         if model_config.quantization == "int8":
             quantize_linears(model)
