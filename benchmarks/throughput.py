@@ -16,14 +16,18 @@ Strata's default layers, its hw-agnostic layers and the example plugin's overrid
 
 Roofline. Once per run, before any model loads and with the run's thread count, the script measures the
 machine's memory read bandwidth (best of several `torch.sum` over a 512 MB float32 tensor) and its matmul
-rate (best of several 2048x2048 `torch.mm`, float32 and bfloat16), and records them in the JSON `machine`
-section (`roofline`). Every result row then says how close it came to the two limits:
+rate (best of several 2048x2048 `torch.mm`, float32 and bfloat16, and float32 through oneDNN's linear where
+PyTorch has it), and records them in the JSON `machine` section (`roofline`). Every result row then says how
+close it came to the two limits:
 - `bw%` (`bw_fraction`), batch-1 decode rows only: `tok/s * weight_bytes / bandwidth`, where `weight_bytes`
   is what one decode step must read: the weights of every matmul (all parameters but an untied input
   embedding table, of which a step reads one row) at the engine's weight precision (4 bytes for float32,
   2 for `strata-bf16`, 1 for `strata-int8`; see `ENGINE_WEIGHT_BYTES`).
-- `flop%` (`flop_fraction`), every row: `tok/s * 2 * params / matmul_rate` (float32 rate), with `params`
-  the same matmul parameters. Attention's own FLOPs are left out, so long prompts read a little low.
+- `flop%` (`flop_fraction`), every row: `tok/s * 2 * params / matmul_rate` (float32 `torch.mm` rate), with
+  `params` the same matmul parameters. Attention's own FLOPs are left out, so long prompts read a little low.
+- `flop%best` (`flop_fraction_best`): the same against the faster of `torch.mm` and oneDNN. On CPUs where
+  `torch.mm`'s BLAS is far from the machine's peak (MKL on AMD runs float32 at about half oneDNN's rate),
+  this is the honest share of the compute limit.
 
 Prefill. `--prefill-len N` (default 512; 0 turns it off) times, for each engine, one prompt of N random ids
 that produces a single token: the time is the prompt's forward pass. Engines for it are built again with
@@ -530,11 +534,19 @@ def measure_roofline(
         fp32_s = _best_seconds(lambda: torch.mm(a, b), repeats, budget_s)
         a16, b16 = a.bfloat16(), b.bfloat16()
         bf16_s = _best_seconds(lambda: torch.mm(a16, b16), repeats, budget_s)
+        onednn_s = None
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+            linear = torch.ops.mkldnn._linear_pointwise  # a @ b.T: the same FLOPs as torch.mm
+            onednn_s = _best_seconds(lambda: linear(a, b, None, "none", [], ""), repeats, budget_s)
     flops = 2 * matmul_n**3
+    fp32_rate = flops / fp32_s / 1e9
+    onednn_rate = None if onednn_s is None else flops / onednn_s / 1e9
     return {
         "threads": torch.get_num_threads(),
         "memory_read_gb_s": read_bytes / read_s / 1e9,
-        "matmul_fp32_gflop_s": flops / fp32_s / 1e9,
+        "matmul_fp32_gflop_s": fp32_rate,
+        "matmul_fp32_onednn_gflop_s": onednn_rate,
+        "matmul_fp32_best_gflop_s": max(fp32_rate, onednn_rate or 0.0),
         "matmul_bf16_gflop_s": flops / bf16_s / 1e9,
         "read_bytes": read_bytes,
         "matmul_n": matmul_n,
@@ -553,6 +565,7 @@ def _limit_fields(
         "weight_bytes": int(weight_bytes),
         "bw_fraction": tokens_per_s * weight_bytes / bandwidth if decode_batch1 else None,
         "flop_fraction": tokens_per_s * 2 * params / (roofline["matmul_fp32_gflop_s"] * 1e9),
+        "flop_fraction_best": tokens_per_s * 2 * params / (roofline["matmul_fp32_best_gflop_s"] * 1e9),
     }
 
 
@@ -705,7 +718,7 @@ def bench_prefill(
         }
         if roofline is not None:
             limit = _limit_fields(name, weights, roofline, row["prompt_tokens_per_s"], decode_batch1=False)
-            row.update({key: limit[key] for key in ("params", "flop_fraction")})
+            row.update({key: limit[key] for key in ("params", "flop_fraction", "flop_fraction_best")})
         rows.append(row)
     ratios: list[dict[str, Any]] = []
     if BASELINE in engines:
@@ -742,7 +755,8 @@ def _render(header: list[str], lines: list[list[str]]) -> list[str]:
 def format_roofline(roofline: dict[str, Any]) -> str:
     return (
         f"roofline ({roofline['threads']} threads): memory read {roofline['memory_read_gb_s']:.1f} GB/s, "
-        f"fp32 matmul {roofline['matmul_fp32_gflop_s']:.0f} GFLOP/s, "
+        f"fp32 matmul {roofline['matmul_fp32_gflop_s']:.0f} GFLOP/s "
+        f"(best {roofline['matmul_fp32_best_gflop_s']:.0f}), "
         f"bf16 matmul {roofline['matmul_bf16_gflop_s']:.0f} GFLOP/s"
     )
 
@@ -763,10 +777,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"{ratio[key]:.2f}" if (key := (r["model"], r["concurrency"], r["engine"])) in ratio else "-",
             _percent(r.get("bw_fraction")),
             _percent(r.get("flop_fraction")),
+            _percent(r.get("flop_fraction_best")),
         ]
         for r in report["results"]
     ]
-    rendered = _render(["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%"], lines)
+    rendered = _render(["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%", "flop%best"], lines)
     checks = [
         f"{r['model']} {r['engine']}: {'match' if r['greedy_match'] else 'MISMATCH'}"
         for r in report["ratios"]
@@ -791,11 +806,14 @@ def format_table(report: dict[str, Any]) -> str:
                 if (r["model"], r["engine"]) in prefill_ratio
                 else "-",
                 _percent(r.get("flop_fraction")),
+                _percent(r.get("flop_fraction_best")),
             ]
             for r in prefill
         ]
         rendered.append("")
-        rendered.extend(_render(["model", "prompt", "engine", "prompt tok/s", vs, "flop%"], prefill_lines))
+        rendered.extend(
+            _render(["model", "prompt", "engine", "prompt tok/s", vs, "flop%", "flop%best"], prefill_lines)
+        )
     return "\n".join(rendered)
 
 
@@ -918,6 +936,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Batch-1 decode can go no faster than reading the matmul weights once per token.
             "fp32_bandwidth_limit_tok_s": roofline["memory_read_gb_s"] * 1e9 / weights["matmul_bytes"],
             "fp32_compute_limit_tok_s": roofline["matmul_fp32_gflop_s"]
+            * 1e9
+            / (2 * weights["matmul_params"]),
+            "fp32_best_compute_limit_tok_s": roofline["matmul_fp32_best_gflop_s"]
             * 1e9
             / (2 * weights["matmul_params"]),
         }

@@ -72,6 +72,9 @@ def test_tiny_run_reports_rows_ratios_and_table(
         assert row["flop_fraction"] == pytest.approx(
             row["tokens_per_s"] * 2 * row["params"] / (roofline["matmul_fp32_gflop_s"] * 1e9)
         )
+        assert row["flop_fraction_best"] == pytest.approx(
+            row["tokens_per_s"] * 2 * row["params"] / (roofline["matmul_fp32_best_gflop_s"] * 1e9)
+        )
         if concurrency == 1:
             assert row["bw_fraction"] == pytest.approx(
                 row["tokens_per_s"] * row["weight_bytes"] / (roofline["memory_read_gb_s"] * 1e9)
@@ -105,7 +108,16 @@ def test_tiny_run_reports_rows_ratios_and_table(
     table = text.splitlines()
     start = next(i for i, line in enumerate(table) if line.startswith("model | concurrency"))
     decode = _table_rows(table[start : start + 6])
-    assert decode[0] == ["model", "concurrency", "engine", "tok/s", "vs transformers", "bw%", "flop%"]
+    assert decode[0] == [
+        "model",
+        "concurrency",
+        "engine",
+        "tok/s",
+        "vs transformers",
+        "bw%",
+        "flop%",
+        "flop%best",
+    ]
     assert [row[1:3] for row in decode[2:]] == [
         ["1", "strata"],
         ["1", "transformers"],
@@ -117,7 +129,15 @@ def test_tiny_run_reports_rows_ratios_and_table(
     assert decode[2][5] != "-" and decode[4][5] == "-"  # bw% only at batch 1
     prefill_start = next(i for i, line in enumerate(table) if line.startswith("model | prompt"))
     prefill_table = _table_rows(table[prefill_start : prefill_start + 4])
-    assert prefill_table[0] == ["model", "prompt", "engine", "prompt tok/s", "vs transformers", "flop%"]
+    assert prefill_table[0] == [
+        "model",
+        "prompt",
+        "engine",
+        "prompt tok/s",
+        "vs transformers",
+        "flop%",
+        "flop%best",
+    ]
     assert [row[:3] for row in prefill_table[2:]] == [
         ["tiny", "64", "strata"],
         ["tiny", "64", "transformers"],
@@ -166,6 +186,9 @@ def test_roofline_measures_bandwidth_and_matmul_rates() -> None:
     assert roofline["read_bytes"] == SMALL_ROOFLINE["read_bytes"] and roofline["matmul_n"] == 256
     for key in ("memory_read_gb_s", "matmul_fp32_gflop_s", "matmul_bf16_gflop_s"):
         assert 0 < roofline[key] < 1e6
+    onednn = roofline["matmul_fp32_onednn_gflop_s"]
+    assert onednn is None or 0 < onednn < 1e6
+    assert roofline["matmul_fp32_best_gflop_s"] == max(roofline["matmul_fp32_gflop_s"], onednn or 0)
     line = harness.format_roofline(roofline)
     assert "GB/s" in line and "fp32 matmul" in line and "bf16 matmul" in line
 
