@@ -184,10 +184,13 @@ class LayerConfig:
 
     `layer_impl` None takes STRATA_USE_HW_AGNOSTIC. `custom_ops` starts from "all" or "none" and adjusts
     single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
+    `prepack_weights` lets layers keep a second copy of their weights in a faster kernel's own layout
+    (STRATA_PREPACK_WEIGHTS; on): more memory for speed.
     """
 
     layer_impl: str | None = None
     custom_ops: list[str] = field(default_factory=lambda: ["all"])
+    prepack_weights: bool = field(default_factory=envs.prepack_weights_default)
 
     def __post_init__(self) -> None:
         if self.layer_impl is None:
@@ -197,6 +200,8 @@ class LayerConfig:
         if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, list | tuple):
             raise ConfigError(f"custom_ops must be a list of strings, got {self.custom_ops!r}")
         self.custom_ops = list(self.custom_ops)
+        if not isinstance(self.prepack_weights, bool):
+            raise ConfigError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         bases = [op for op in self.custom_ops if op in ("all", "none")]
         if len(bases) > 1:
             raise ConfigError(f"custom_ops may hold one of 'all' or 'none', got {self.custom_ops!r}")

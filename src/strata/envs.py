@@ -45,6 +45,12 @@ def use_hw_agnostic_default() -> bool:
     return _get_bool("STRATA_USE_HW_AGNOSTIC", False)
 
 
+def prepack_weights_default() -> bool:
+    """STRATA_PREPACK_WEIGHTS: keep a second, GEMM-ready copy of CPU linear weights for prefill and batches
+    over 8 rows (about 1.3x faster there, twice the linear weights' memory); on by default."""
+    return _get_bool("STRATA_PREPACK_WEIGHTS", True)
+
+
 def plugins_default() -> list[str] | None:
     """STRATA_PLUGINS: comma-separated plugin names to load; unset = every installed plugin, empty = none."""
     raw = os.environ.get("STRATA_PLUGINS")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 from strata.config import LayerConfig, ModelConfig
 from strata.entrypoints.cli import main
+from strata.entrypoints.layers_cli import add_layer_arguments, layer_config_kwargs
 from strata.entrypoints.llm import default_model
 from strata.layers import activation
 from strata.models.transformers.layers import verify_layers
@@ -74,3 +76,20 @@ def test_generate_with_layer_impl(capsys: pytest.CaptureFixture[str]) -> None:
     hw = capsys.readouterr().out
     assert main([*args, "--layer-impl", "default"]) == 0
     assert capsys.readouterr().out == hw
+
+
+def test_prepack_weights_option_and_environment_reach_the_layer_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_layer_arguments(parser)
+    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).prepack_weights is True
+    assert (
+        LayerConfig(**layer_config_kwargs(parser.parse_args(["--no-prepack-weights"]))).prepack_weights
+        is False
+    )
+    monkeypatch.setenv("STRATA_PREPACK_WEIGHTS", "0")
+    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).prepack_weights is False
+    assert (
+        LayerConfig(**layer_config_kwargs(parser.parse_args(["--prepack-weights"]))).prepack_weights is True
+    )

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from strata import LLM
+from strata import LLM, SamplingParams
+from strata.config import ConfigError
 from strata.hw_agnostic.layers import linear as hw_linear
 from strata.layers import cpu_kernels, linear
 
@@ -48,6 +49,22 @@ def test_cpu_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int)
     ours, reference = _reference_pair(dtype, bias)
     assert ours.forward_method_name == "forward_cpu"
     assert ours.use_kernel == (dtype != torch.float16)
+    _check_against_reference(ours, reference, dtype, bias, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [8, 9, 40])
+def test_prepacked_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    ours, reference = _reference_pair(dtype, bias)
+    ours.process_weights_after_loading()
+    assert ours._packed_weight is not None
+    _check_against_reference(ours, reference, dtype, bias, rows)
+
+
+def _check_against_reference(
+    ours: nn.Module, reference: nn.Linear, dtype: torch.dtype, bias: bool, rows: int
+) -> None:
     x = torch.randn(2, rows, 96).to(dtype)
     out = ours(x)
     assert out.dtype == dtype and out.shape == (2, rows, 130)
@@ -57,6 +74,52 @@ def test_cpu_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int)
     )
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+
+
+def test_prepacked_weight_is_read_for_wide_inputs_while_it_matches_the_weight() -> None:
+    weight, x = torch.randn(64, 96), torch.randn(16, 96)
+    expected = x @ weight.T
+    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    assert packed is not None
+    # A write through `.data` bypasses the version counter, so only the dense weight changes: wide inputs
+    # (over 8 rows) still see the old values, which shows they read the prepacked copy; narrow ones do not.
+    weight.data.mul_(2)
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), expected)
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:8], weight, None, None), 2 * expected[:8])
+    weight.mul_(1)  # a tracked in-place write: the copy no longer matches the weight and is not read
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
+
+    repacked = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    weight.data.mul_(2)
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
+    del repacked  # freed with its owner: the dense weight is read again
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 4 * expected)
+
+
+def test_only_contiguous_float_weights_are_prepacked() -> None:
+    assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(96, 64).t()) is None
+    assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=torch.float16)) is None
+    assert (
+        torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int8)) is None
+    )
+
+
+def test_engine_prepacks_linear_weights_unless_told_not_to(tiny_model_dir: Callable[[str], Path]) -> None:
+    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24)]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens, packed = {}, {}
+    for prepack in (True, False):
+        llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, prepack_weights=prepack)
+        packed[prepack] = llm.apply_model(
+            lambda model: [
+                m._packed_weight is not None for m in model.modules() if isinstance(m, linear.Linear)
+            ]
+        )
+        tokens[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert packed[True] and all(packed[True]) and not any(packed[False])
+    assert tokens[True] == tokens[False]
+    with pytest.raises(ConfigError, match="prepack_weights"):
+        LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, prepack_weights="yes")
 
 
 def test_hw_agnostic_linear_is_plain_f_linear() -> None:

@@ -78,6 +78,7 @@ class LLM:
         device: str = "cpu",
         layer_impl: str | None = None,
         custom_ops: list[str] | None = None,
+        prepack_weights: bool | None = None,
         compile: bool | None = None,
         compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
         quantization: str | None = None,
@@ -111,7 +112,9 @@ class LLM:
                 ),
                 device=device,
                 layer_config=LayerConfig(
-                    layer_impl=layer_impl, custom_ops=["all"] if custom_ops is None else custom_ops
+                    layer_impl=layer_impl,
+                    custom_ops=["all"] if custom_ops is None else custom_ops,
+                    **({} if prepack_weights is None else {"prepack_weights": prepack_weights}),
                 ),
                 compilation_config=_compilation_config(compile, compilation_config),
                 adaptive_threads=adaptive_threads,

@@ -5,12 +5,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.config import get_current_layer_config
 from strata.custom_op import CustomOp
 from strata.layers import cpu_kernels
 from strata.layers.base import LinearBase
 
 # Weight dtypes `strata_cpu::linear` reads; other dtypes (float16) use ATen.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _Unpickled:
+    """Holds a value for its owner's lifetime but pickles as None: a saved compiled trace pickles the layers it
+    guards on, and a oneDNN tensor cannot be pickled (nor should a cache of it be saved)."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[type[None], tuple[()]]:
+        return type(None), ()
 
 
 @CustomOp.register("linear")
@@ -29,6 +41,16 @@ class Linear(LinearBase):
             and self.weight.dtype in _KERNEL_DTYPES
             and cpu_kernels.load("small_batch_linear")
         )
+        self.prepack = self.use_kernel and get_current_layer_config().prepack_weights
+        self._packed_weight: _Unpickled | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """With `prepack_weights`, register the weight's oneDNN layout with `strata_cpu::linear`, which reads it
+        for inputs wider than 8 rows (prefill, batches): measured 1.3x faster there, at the cost of a second
+        copy of the weight. The copy lives as long as this layer; the op finds it by the weight's storage."""
+        if self.prepack:
+            packed = torch.ops.strata_cpu.prepack_linear_weight(self.weight)
+            self._packed_weight = None if packed is None else _Unpickled(packed)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

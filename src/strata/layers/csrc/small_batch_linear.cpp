@@ -8,7 +8,9 @@
 // FMA chain), and 16 rows' tiles are reduced together; up to 8 rows of x share every widened weight tile.
 // A decode step so reads fp32, bf16 and int8 weights at close to the bandwidth limit.
 // Wider inputs (prefill, large batches) go to oneDNN's GEMM where PyTorch has it: on the CPUs measured it
-// runs float32 at about twice the rate of the MKL path `at::linear` takes for these shapes.
+// runs float32 at about twice the rate of the MKL path `at::linear` takes for these shapes. A weight
+// registered with `prepack_linear_weight` is read there in oneDNN's own blocked layout, which spares the
+// reorder oneDNN otherwise does on every call.
 //
 // C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the widening loads
 // (`float_tiles.h`) use x86 intrinsics, under #if with a plain C++ fallback for other CPUs. It is built on
@@ -29,7 +31,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 
 namespace {
 
@@ -200,18 +204,94 @@ void dispatch_weight(const float* x, const at::Tensor& w, const float* scale, co
   }
 }
 
-// `x @ w.T + bias` for wide x: oneDNN's linear (the op Inductor's CPU fusions call) when PyTorch was built
-// with it, else ATen's.
-at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  using OneDnnLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                  std::string_view, c10::List<std::optional<at::Scalar>>,
-                                  std::optional<std::string_view>);
-  static const auto handle = c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  if (handle && at::hasMKLDNN() && x.scalar_type() != at::kHalf) {
-    static const auto op = handle->typed<OneDnnLinear>();
-    return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+bool has_onednn_linear() {
+  static const bool available =
+      at::hasMKLDNN() && c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""}).has_value() &&
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_reorder_linear_weight", ""}).has_value();
+  return available;
+}
+
+// oneDNN's linear, the op Inductor's CPU fusions call; `w` dense [N, K] or prepacked.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                               std::string_view, c10::List<std::optional<at::Scalar>>,
+                               std::optional<std::string_view>);
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<Signature>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+// Prepacked weights, found by the dense weight's data pointer. An entry holds only weak references: the
+// packed tensor belongs to whoever registered it (the layer) and is freed with it, and an entry whose
+// weight storage is gone, or whose weight was resized or written in place since, no longer matches.
+struct PackedWeight {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  uint32_t version;
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> packed;
+
+  bool matches(const at::Tensor& weight) const {
+    return !storage.expired() && storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl() &&
+           weight.sizes().vec() == sizes && weight.strides().vec() == strides &&
+           weight.scalar_type() == dtype && weight._version() == version;
   }
-  return at::linear(x, w, bias);
+};
+
+std::mutex packed_mutex;
+std::unordered_map<const void*, PackedWeight> packed_weights;
+
+// The registered packed form of `weight`, or an undefined tensor.
+at::Tensor find_packed(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  const auto it = packed_weights.find(weight.data_ptr());
+  if (it == packed_weights.end()) return at::Tensor();
+  if (!it->second.matches(weight)) {
+    packed_weights.erase(it);
+    return at::Tensor();
+  }
+  auto packed = it->second.packed.lock();
+  return packed ? at::Tensor(std::move(packed)) : at::Tensor();
+}
+
+// The batch size oneDNN is told to pack for; 16 to 512 measured alike for decode batches and prefill.
+constexpr int64_t kPackForRows = 32;
+
+// `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
+// `linear` with this very weight (same storage, shape and version) reads it. The caller keeps the returned
+// tensor alive for as long as the weight should use it. Returns nothing where PyTorch has no oneDNN
+// linear or the weight is not a contiguous float matrix: `linear` then reads the dense weight.
+std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
+  if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
+      (weight.scalar_type() != at::kFloat && weight.scalar_type() != at::kBFloat16)) {
+    return std::nullopt;
+  }
+  using Signature = at::Tensor(const at::Tensor&, std::optional<int64_t>);
+  static const auto reorder = c10::Dispatcher::singleton()
+                                  .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
+                                  .typed<Signature>();
+  at::Tensor packed = reorder.call(weight, kPackForRows);
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  std::erase_if(packed_weights, [](const auto& entry) { return entry.second.packed.expired(); });
+  packed_weights.insert_or_assign(
+      weight.data_ptr(),
+      PackedWeight{c10::weak_intrusive_ptr<c10::StorageImpl>(weight.storage().getWeakStorageImpl()),
+                   weight.sizes().vec(), weight.strides().vec(), weight.scalar_type(),
+                   weight._version(),
+                   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(packed.getIntrusivePtr())});
+  return packed;
+}
+
+// `x @ weight.T + bias` for wide x: oneDNN's linear when PyTorch was built with it (on the prepacked weight
+// when `weight` was registered and x has its dtype), else ATen's. `w` is `weight` in x's dtype.
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias) {
+  if (!has_onednn_linear() || x.scalar_type() == at::kHalf) return at::linear(x, w, bias);
+  if (weight.scalar_type() == x.scalar_type()) {
+    if (const at::Tensor packed = find_packed(weight); packed.defined()) return onednn_linear(x, packed, bias);
+  }
+  return onednn_linear(x, w, bias);
 }
 
 // A float32 contiguous view of t: t itself when it already is one (no copy, no dispatch).
@@ -237,7 +317,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
         wtype == at::kChar
             ? at::mul(weight.to(at::kFloat), as_float_contiguous(*scale).unsqueeze(1)).to(x.scalar_type())
             : weight.to(x.scalar_type());
-    return wide_linear(x.contiguous(), w.contiguous(),
+    return wide_linear(x.contiguous(), weight, w.contiguous(),
                        bias ? std::optional<at::Tensor>(bias->to(x.scalar_type())) : std::nullopt);
   }
   // Small tensors are used as they come when they already have the layout the kernel reads; only what
@@ -318,9 +398,11 @@ std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList weights
 TORCH_LIBRARY(strata_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor[]");
+  m.def("prepack_linear_weight(Tensor weight) -> Tensor?");
 }
 
 TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_group", &linear_group);
+  m.impl("prepack_linear_weight", &prepack_linear_weight);
 }

@@ -106,6 +106,9 @@ def build_model(
             f"{type(model).__name__} is not a causal language model with decoder attention layers Strata can drive"
         )
     load_weights(model, Path(model_config.model), model_config.torch_dtype, weight_mapping)
+    for module in model.modules():
+        if (process := getattr(module, "process_weights_after_loading", None)) is not None:
+            process()
     model.eval()
     logger.info(
         "layers (layer_impl=%s): %s", layer_config.layer_impl, summarize_layers(describe_layers(model))
