@@ -14,8 +14,11 @@ from torch._dynamo.utils import counters
 
 from strata import LLM, SamplingParams
 from strata.compilation import backend
+from strata.compilation.compiler import cache_key
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
-from strata.config import CompilationConfig, ConfigError
+from strata.config import CompilationConfig, ConfigError, EngineConfig, ModelConfig
+from strata.entrypoints.llm import default_model
+from strata.layers import cpu_kernels
 
 PROMPT = {"prompt_token_ids": [1, 43, 47, 90, 61]}
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
@@ -174,3 +177,13 @@ def test_instruction_set_check_is_recorded_and_reused(
     warmup.check_instruction_sets()
     assert inductor_config.cpp.vec_isa_ok is (True if passed == warmup._candidates() else None)
     warmup.InductorWarmup().wait()  # the engine's way: on a thread, whose setting stays its own
+
+
+def test_cache_key_changes_with_the_kernel_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saved pieces call Strata's kernel ops with the schemas of the sources they were compiled against: a
+    changed kernel source must not load them (a changed return type would break the call)."""
+    config = EngineConfig(ModelConfig(default_model()))
+    key = cache_key(config)
+    assert cache_key(config) == key
+    monkeypatch.setattr(cpu_kernels, "sources_digest", lambda: "another-source")
+    assert cache_key(config) != key

@@ -246,11 +246,14 @@ def test_linear_group_equals_one_linear_per_weight(
     xdtype: torch.dtype, wdtype: torch.dtype, rows: int
 ) -> None:
     """Row counts up to 8 take the grouped kernel (one parallel region over every weight's rows, including
-    weights whose rows do not fill a 16-row tile), 9 the per-weight path; each output is what `linear` gives."""
+    weights whose rows do not fill a 16-row tile), 9 the per-weight path; each weight's columns of the one
+    output are what `linear` gives."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 200, generator=generator).to(xdtype)
     weights = [torch.randn(n, 200, generator=generator).to(wdtype) for n in (300, 37, 37, 5000)]
-    outputs = torch.ops.strata_cpu.linear_group(x, weights)
+    grouped = torch.ops.strata_cpu.linear_group(x, weights)
+    assert grouped.shape == (rows, 300 + 37 + 37 + 5000)
+    outputs = grouped.split([w.shape[0] for w in weights], dim=1)
     for output, weight in zip(outputs, weights, strict=True):
         expected = torch.ops.strata_cpu.linear(x, weight, None, None)
         assert output.dtype == expected.dtype and output.shape == expected.shape
@@ -260,7 +263,8 @@ def test_linear_group_equals_one_linear_per_weight(
 def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weight() -> None:
     x = torch.randn(2, 64)
     weights = [torch.randn(32, 64), torch.randn(64, 16).t(), torch.randn(8, 64).bfloat16()]
-    for output, weight in zip(torch.ops.strata_cpu.linear_group(x, weights), weights, strict=True):
+    grouped = torch.ops.strata_cpu.linear_group(x, weights)
+    for output, weight in zip(grouped.split([32, 16, 8], dim=1), weights, strict=True):
         torch.testing.assert_close(output, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="needs at least one weight"):
         torch.ops.strata_cpu.linear_group(x, [])

@@ -45,7 +45,7 @@ from torch.fx.passes.split_module import split_module
 
 from strata.attention.ops import ATTENTION_OPS
 from strata.compilation.layer_name import OpaqueBase
-from strata.compilation.passes import PassManager
+from strata.compilation.passes import PassManager, traced_value
 
 logger = logging.getLogger("strata.compilation")
 
@@ -142,11 +142,6 @@ def _split(gm: fx.GraphModule) -> fx.GraphModule:
     return split
 
 
-def _traced_value(node: fx.Node) -> Any:
-    """The fake value Dynamo recorded for a node of its graph."""
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _sizes_from_tensor_inputs(call: fx.Node, piece: fx.GraphModule) -> None:
     """Make a piece read each size it takes as an int input (the token count) from a tensor input that has it.
 
@@ -157,14 +152,14 @@ def _sizes_from_tensor_inputs(call: fx.Node, piece: fx.GraphModule) -> None:
     placeholders = [node for node in piece.graph.nodes if node.op == "placeholder"]
     dims: dict[Any, tuple[fx.Node, int]] = {}
     for node in placeholders:
-        value = _traced_value(node)
+        value = traced_value(node)
         if isinstance(value, torch.Tensor):
             for dim, size in enumerate(value.shape):
                 if isinstance(size, torch.SymInt):
                     dims.setdefault(size.node.expr, (node, dim))
     dropped = set()
     for index, node in enumerate(placeholders):
-        value = _traced_value(node)
+        value = traced_value(node)
         if not isinstance(value, torch.SymInt) or value.node.expr not in dims:
             continue
         with piece.graph.inserting_after(placeholders[-1]):

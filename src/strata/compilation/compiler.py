@@ -20,6 +20,7 @@ from strata.compilation.backend import INDUCTOR_OPTIONS, CompileStats, StrataBac
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
 from strata.config import FUSION_PASSES, ConfigError, EngineConfig
+from strata.layers import cpu_kernels
 from strata.models.transformers.attention import LAYER_NAME_ATTR
 
 logger = logging.getLogger("strata.compilation")
@@ -39,7 +40,8 @@ def cache_key(config: EngineConfig) -> str:
         "use_layer_name": compilation.use_layer_name,
         "passes": [name for name in FUSION_PASSES if compilation.pass_enabled(name)],
         "device": config.device,
-        "cpu_kernels": not envs.disable_cpu_kernels(),  # the traced graph calls them where they load
+        # The traced graph calls the kernels' ops where they load, with the schemas their sources define.
+        "cpu_kernels": None if envs.disable_cpu_kernels() else cpu_kernels.sources_digest(),
         "inductor": sorted(INDUCTOR_OPTIONS.items()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -154,9 +154,15 @@ def fuse_residual_add_into_rms_norm(gm: fx.GraphModule) -> int:
     return count
 
 
+def traced_value(node: fx.Node) -> Any:
+    """The fake value Dynamo recorded for a node of its graph."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def group_sibling_linears(gm: fx.GraphModule) -> int:
     """Replace the `strata_cpu::linear` calls that read one input (a layer's q, k and v projections) by one
     `strata_cpu::linear_group` call: at decode sizes one dispatch and one parallel region for all of them.
+    Each member's output becomes its columns of the group's output (a strided view, as HF's reshapes allow).
     HF reshapes the input once per projection, so inputs count as one when they are the same operation on the
     same arguments. Only plain weights group (no int8 scale, no bias). Returns the number of groups made."""
     ops = torch.ops.strata_cpu
@@ -184,9 +190,12 @@ def group_sibling_linears(gm: fx.GraphModule) -> int:
         x = members[0].args[0]
         with graph.inserting_before(members[0]):
             group = graph.call_function(ops.linear_group.default, (x, [m.args[1] for m in members]))
-        for index, member in enumerate(members):
+        start = 0
+        for member in members:
+            width = traced_value(member).shape[-1]
             with graph.inserting_after(group):
-                output = graph.call_function(operator.getitem, (group, index))
+                output = graph.call_function(torch.ops.aten.slice.Tensor, (group, 1, start, start + width))
+            start += width
             output.meta.update(member.meta)
             member.replace_all_uses_with(output)
             old_input = member.args[0]

@@ -78,6 +78,17 @@ def _build(name: str, compiler: str) -> Path:
 
 
 @functools.cache
+def sources_digest() -> str:
+    """A hash of every kernel source and header: compiled graphs that call the kernels' ops are valid only
+    for the op schemas these sources define."""
+    folder = Path(str(resources.files("strata.layers") / "csrc"))
+    digest = hashlib.sha256()
+    for path in sorted([*folder.glob("*.cpp"), *folder.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+@functools.cache
 def load(name: str) -> bool:
     """Build (once per machine) and load the kernel `name`; False, with one warning, where that fails."""
     if envs.disable_cpu_kernels():
@@ -111,8 +122,8 @@ def _register_linear_fake() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("strata_cpu::linear_group")
-    def _linear_group_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [x.new_empty(x.shape[0], weight.shape[0]) for weight in weights]
+    def _linear_group_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
 
 
 def _register_paged_decode_attention_fake() -> None:

@@ -18,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
@@ -120,10 +121,10 @@ inline void store_out(O* out, float v) {
 }
 
 // Weight rows [g * kLanes, ...) in groups of kLanes: the rows' lane tiles are collected, summed together
-// (`lane_sums`) and scaled, biased and stored as kLanes outputs per row of x.
+// (`lane_sums`) and scaled, biased and stored as kLanes outputs per row of x (rows of `out` `ldo` apart).
 template <int MB, typename W, typename B, typename O>
-void small_batch_rows(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t N,
-                      int64_t K, int64_t g_begin, int64_t g_end) {
+void small_batch_rows(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t ldo,
+                      int64_t N, int64_t K, int64_t g_begin, int64_t g_end) {
   Vec tiles[MB][kLanes];
   for (int64_t g = g_begin; g < g_end; ++g) {
     const int64_t n0 = g * kLanes;
@@ -139,7 +140,7 @@ void small_batch_rows(const float* x, const W* w, const float* scale, const B* b
         float v = sums[j];
         if (scale) v *= scale[n0 + j];
         if (bias) v += static_cast<float>(bias[n0 + j]);
-        store_out(out + m * N + n0 + j, v);
+        store_out(out + m * ldo + n0 + j, v);
       }
     }
   }
@@ -147,17 +148,17 @@ void small_batch_rows(const float* x, const W* w, const float* scale, const B* b
 
 // `small_batch_rows` for the M (1 to kMaxRows) rows of x known only at run time.
 template <typename W, typename B, typename O>
-void small_batch_rows_m(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
-                        int64_t N, int64_t K, int64_t g_begin, int64_t g_end) {
+void small_batch_rows_m(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t ldo,
+                        int64_t M, int64_t N, int64_t K, int64_t g_begin, int64_t g_end) {
   switch (M) {
-    case 1: small_batch_rows<1>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 2: small_batch_rows<2>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 3: small_batch_rows<3>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 4: small_batch_rows<4>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 5: small_batch_rows<5>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 6: small_batch_rows<6>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    case 7: small_batch_rows<7>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
-    default: small_batch_rows<8>(x, w, scale, bias, out, N, K, g_begin, g_end); break;
+    case 1: small_batch_rows<1>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 2: small_batch_rows<2>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 3: small_batch_rows<3>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 4: small_batch_rows<4>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 5: small_batch_rows<5>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 6: small_batch_rows<6>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    case 7: small_batch_rows<7>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
+    default: small_batch_rows<8>(x, w, scale, bias, out, ldo, N, K, g_begin, g_end); break;
   }
 }
 
@@ -178,7 +179,7 @@ template <typename W, typename B, typename O>
 void small_batch_kernel(const float* x, const W* w, const float* scale, const B* bias, O* out, int64_t M,
                         int64_t N, int64_t K) {
   for_row_groups((N + kLanes - 1) / kLanes, K, sizeof(W), M, [&](int64_t begin, int64_t end) {
-    small_batch_rows_m(x, w, scale, bias, out, M, N, K, begin, end);
+    small_batch_rows_m(x, w, scale, bias, out, N, M, N, K, begin, end);
   });
 }
 
@@ -346,26 +347,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return xtype == at::kFloat ? out : out.to(xtype);
 }
 
+// Each weight's outputs go to its own columns of out [M, sum of N], which starts at its first column.
 template <typename W>
-void group_kernel(const float* x, at::TensorList weights, std::vector<at::Tensor>& outs, int64_t M, int64_t K) {
+void group_kernel(const float* x, at::TensorList weights, float* out, int64_t M, int64_t K) {
   std::vector<int64_t> first_group{0};  // weight i owns row groups [first_group[i], first_group[i + 1])
-  for (const auto& w : weights) first_group.push_back(first_group.back() + (w.size(0) + kLanes - 1) / kLanes);
+  std::vector<int64_t> first_column{0};
+  for (const auto& w : weights) {
+    first_group.push_back(first_group.back() + (w.size(0) + kLanes - 1) / kLanes);
+    first_column.push_back(first_column.back() + w.size(0));
+  }
+  const int64_t ldo = first_column.back();
   for_row_groups(first_group.back(), K, sizeof(W), M, [&](int64_t begin, int64_t end) {
     for (size_t i = 0; i < weights.size(); ++i) {
       const int64_t lo = std::max(begin, first_group[i]), hi = std::min(end, first_group[i + 1]);
       if (lo >= hi) continue;
       small_batch_rows_m(x, weights[i].data_ptr<W>(), nullptr, static_cast<const float*>(nullptr),
-                         outs[i].data_ptr<float>(), M, weights[i].size(0), K, lo - first_group[i],
+                         out + first_column[i], ldo, M, weights[i].size(0), K, lo - first_group[i],
                          hi - first_group[i]);
     }
   });
 }
 
-// x @ weight.T for each of several weights that read the same x (a layer's q, k and v projections): for
-// decode-sized x one call and one parallel region over all their rows, where separate `linear` calls each
-// pay a dispatch, a fork and a join (about 4 us at batch 1). Weights of one dtype, float32 or bfloat16,
-// contiguous; anything else, and wider x, is `linear` per weight.
-std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList weights) {
+// x @ weight.T for each of several weights that read the same x (a layer's q, k and v projections), side by
+// side in one [M, sum of N] tensor: for decode-sized x one call and one parallel region over all their rows,
+// where separate `linear` calls each pay a dispatch, a fork and a join (about 4 us at batch 1). One tensor,
+// not a list, so that Inductor's C++ wrapper calls it through the dispatcher (a list return goes through
+// Python, which cost more than the grouping saved). Weights of one dtype, float32 or bfloat16, contiguous;
+// anything else, and wider x, is `linear` per weight, concatenated.
+at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "strata_cpu::linear_group: needs at least one weight");
   bool grouped = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
@@ -374,30 +383,29 @@ std::vector<at::Tensor> linear_group(const at::Tensor& x, at::TensorList weights
               w.scalar_type() == weights[0].scalar_type() &&
               (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
   }
-  std::vector<at::Tensor> outs;
   if (!grouped) {
+    std::vector<at::Tensor> outs;
     for (const auto& w : weights) outs.push_back(linear(x, w, std::nullopt, std::nullopt));
-    return outs;
+    return at::cat(outs, 1);
   }
   const at::Tensor xf = as_float_contiguous(x);
   const int64_t M = x.size(0), K = x.size(1);
-  for (const auto& w : weights) outs.push_back(at::empty({M, w.size(0)}, xf.options()));
+  int64_t columns = 0;
+  for (const auto& w : weights) columns += w.size(0);
+  at::Tensor out = at::empty({M, columns}, xf.options());
   if (weights[0].scalar_type() == at::kFloat) {
-    group_kernel<float>(xf.data_ptr<float>(), weights, outs, M, K);
+    group_kernel<float>(xf.data_ptr<float>(), weights, out.data_ptr<float>(), M, K);
   } else {
-    group_kernel<c10::BFloat16>(xf.data_ptr<float>(), weights, outs, M, K);
+    group_kernel<c10::BFloat16>(xf.data_ptr<float>(), weights, out.data_ptr<float>(), M, K);
   }
-  if (x.scalar_type() != at::kFloat) {
-    for (auto& out : outs) out = out.to(x.scalar_type());
-  }
-  return outs;
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(strata_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
-  m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor[]");
+  m.def("linear_group(Tensor x, Tensor[] weights) -> Tensor");
   m.def("prepack_linear_weight(Tensor weight) -> Tensor?");
 }
 
