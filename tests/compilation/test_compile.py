@@ -247,7 +247,9 @@ def test_pieces_are_called_straight_into_inductors_code(
     are what the matches-eager test compares."""
     llm = runs(case)["llm"]
     python_calls: set[str] = set()
-    sys.setprofile(lambda frame, event, _: python_calls.add(frame.f_code.co_name) if event == "call" else None)
+    sys.setprofile(
+        lambda frame, event, _: python_calls.add(frame.f_code.co_name) if event == "call" else None
+    )
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
