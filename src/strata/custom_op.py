@@ -156,6 +156,11 @@ class _Swappable(nn.Module):
             module.__init__(*args, **kwargs)
         return module
 
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every weight is in place, before the first forward. A layer that
+        wants its weights in another form (a kernel's packed layout, a derived scale) builds it here, so the
+        forward never does that work. The default has nothing to do."""
+
     @classmethod
     def register(cls, name: str) -> Callable[[T], T]:
         """`@CustomOp.register("rms_norm")`: register an in-tree implementation as op `name`."""

@@ -96,6 +96,19 @@ def test_prepacked_weight_is_read_for_wide_inputs_while_it_matches_the_weight() 
     torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 4 * expected)
 
 
+def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
+    first = linear.Linear(96, 130)
+    second = linear.Linear(96, 130)
+    second.weight = first.weight  # tied, as an embedding and its output head may be
+    first.process_weights_after_loading()
+    second.process_weights_after_loading()
+    assert first._packed_weight is not None and second._packed_weight is not None
+    assert first._packed_weight.value is second._packed_weight.value
+    other = linear.Linear(96, 130)
+    other.process_weights_after_loading()
+    assert other._packed_weight is not None and other._packed_weight.value is not first._packed_weight.value
+
+
 def test_only_contiguous_float_weights_are_prepacked() -> None:
     assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(96, 64).t()) is None
     assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=torch.float16)) is None

@@ -22,6 +22,7 @@ from strata.compilation.passes import PassManager, build_passes
 from strata.config import FUSION_PASSES, ConfigError, EngineConfig
 from strata.layers import cpu_kernels
 from strata.models.transformers.attention import LAYER_NAME_ATTR
+from strata.process_local import ProcessLocal
 
 logger = logging.getLogger("strata.compilation")
 
@@ -188,18 +189,15 @@ class TracedFunction:
         return self.traces[-1]
 
 
-class _LayerCall:
-    """A decoder layer's forward through its trace: the first call selects the trace, later calls reuse it."""
+class _LayerCall(ProcessLocal):
+    """A decoder layer's forward through its trace: the first call selects the trace, later calls reuse it.
+    Process-local: it sits in the layer's `__dict__`, which a saved trace pickles, and reaches the compiled
+    pieces, which belong to this process."""
 
     def __init__(self, traced: TracedFunction, layer: nn.Module) -> None:
         self.traced = traced
         self.layer = layer
         self.trace: Any = None
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        # A saved trace's guard state pickles the layer module with its `__dict__`, this wrapper included;
-        # the wrapper is this process's state (it reaches the compiled pieces), so it is saved as nothing.
-        return type(None), ()
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.trace is None or self.traced.check_guards:

@@ -9,20 +9,10 @@ from strata.config import get_current_layer_config
 from strata.custom_op import CustomOp
 from strata.layers import cpu_kernels
 from strata.layers.base import LinearBase
+from strata.process_local import ProcessLocalValue
 
 # Weight dtypes `strata_cpu::linear` reads; other dtypes (float16) use ATen.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class _Unpickled:
-    """Holds a value for its owner's lifetime but pickles as None: a saved compiled trace pickles the layers it
-    guards on, and a oneDNN tensor cannot be pickled (nor should a cache of it be saved)."""
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __reduce__(self) -> tuple[type[None], tuple[()]]:
-        return type(None), ()
 
 
 @CustomOp.register("linear")
@@ -42,7 +32,8 @@ class Linear(LinearBase):
             and cpu_kernels.load("small_batch_linear")
         )
         self.prepack = self.use_kernel and get_current_layer_config().prepack_weights
-        self._packed_weight: _Unpickled | None = None
+        # Process-local: a saved compiled trace pickles this layer, and a oneDNN tensor cannot be pickled.
+        self._packed_weight: ProcessLocalValue[torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
         """With `prepack_weights`, register the weight's oneDNN layout with `strata_cpu::linear`, which reads it
@@ -50,7 +41,7 @@ class Linear(LinearBase):
         copy of the weight. The copy lives as long as this layer; the op finds it by the weight's storage."""
         if self.prepack:
             packed = torch.ops.strata_cpu.prepack_linear_weight(self.weight)
-            self._packed_weight = None if packed is None else _Unpickled(packed)
+            self._packed_weight = None if packed is None else ProcessLocalValue(packed)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -261,13 +261,16 @@ constexpr int64_t kPackForRows = 32;
 
 // `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
 // `linear` with this very weight (same storage, shape and version) reads it. The caller keeps the returned
-// tensor alive for as long as the weight should use it. Returns nothing where PyTorch has no oneDNN
-// linear or the weight is not a contiguous float matrix: `linear` then reads the dense weight.
+// tensor alive for as long as the weight should use it. A weight registered already and unchanged since
+// (one weight shared by several layers, as tied embeddings are) gets the same copy back, not a second one.
+// Returns nothing where PyTorch has no oneDNN linear or the weight is not a contiguous float matrix:
+// `linear` then reads the dense weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
       (weight.scalar_type() != at::kFloat && weight.scalar_type() != at::kBFloat16)) {
     return std::nullopt;
   }
+  if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
   using Signature = at::Tensor(const at::Tensor&, std::optional<int64_t>);
   static const auto reorder = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")

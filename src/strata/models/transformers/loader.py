@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
-from strata.custom_op import describe_layers, summarize_layers
+from strata.custom_op import CustomOp, PluggableLayer, describe_layers, summarize_layers
 from strata.layers.base import Int8LinearBase
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
@@ -107,8 +107,8 @@ def build_model(
         )
     load_weights(model, Path(model_config.model), model_config.torch_dtype, weight_mapping)
     for module in model.modules():
-        if (process := getattr(module, "process_weights_after_loading", None)) is not None:
-            process()
+        if isinstance(module, (CustomOp, PluggableLayer)):
+            module.process_weights_after_loading()
     model.eval()
     logger.info(
         "layers (layer_impl=%s): %s", layer_config.layer_impl, summarize_layers(describe_layers(model))
