@@ -73,8 +73,9 @@ class ThreadTuner:
             if recent > self._baseline * (1 - self.margin):
                 self._switch(self._return_to)  # not clearly faster: back to what ran before
             else:
-                logger.info("%d threads run this step %.0f%% faster: keeping them", self.threads,
-                            100 * (1 - recent / self._baseline))  # fmt: skip
+                # Debug, not info: it may change every `period` steps, and would break into streamed text.
+                logger.debug("%d threads run this step %.0f%% faster: keeping them", self.threads,
+                             100 * (1 - recent / self._baseline))  # fmt: skip
             self._baseline, self._times, self._since_probe = None, [], 0
             return
         self._fastest = recent if self._fastest is None else min(self._fastest, recent)
