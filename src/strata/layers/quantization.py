@@ -15,7 +15,9 @@ Up to `_SMALL_BATCH_ROWS` rows, `forward_cpu` uses, in order of preference:
 
 Wider batches (prefill) multiply the bfloat16 activations by the int8 weights widened to bfloat16 (exact:
 int8 fits bfloat16's 8-bit significand) where oneDNN has bfloat16 kernels: on a 3072x576 weight, one
-thread, 3.5x faster than ATen's int8 kernel at 512 rows and 4.5x faster than a float32 matmul.
+thread, 3.5x faster than ATen's int8 kernel at 512 rows and 4.5x faster than a float32 matmul. Strata's
+kernel does this itself, so compiled and eager forwards take the same path; without it, eager forwards do
+it here and compiled ones use `forward_native`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class Int8Linear(Int8LinearBase):
         if x.dtype not in _ACTIVATION_DTYPES:
             return self.forward_native(x)
         rows = x.reshape(-1, self.in_features)
+        if self.use_strata_kernel:
+            # Takes any row count (wide inputs go to its bfloat16 matmul) and adds the bias.
+            out = torch.ops.strata_cpu.linear(rows, self.qweight, self.scale, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         # Under torch.compile the row count is symbolic: no branch on it, and no data pointers to check.
         compiling = torch.compiler.is_compiling()
         if (
@@ -64,10 +70,6 @@ class Int8Linear(Int8LinearBase):
             and torch.ops.mkldnn._is_mkldnn_bf16_supported()
         ):
             out = F.linear(rows.to(torch.bfloat16), self.qweight.to(torch.bfloat16)) * self.scale
-        elif self.use_strata_kernel:
-            # Takes any row count (it hands wide inputs to ATen itself) and adds the bias.
-            out = torch.ops.strata_cpu.linear(rows, self.qweight, self.scale, self.bias)
-            return out.view(*x.shape[:-1], self.out_features)
         elif compiling or self.in_features % _INT8PACK_K_MULTIPLE:
             return self.forward_native(x)
         else:

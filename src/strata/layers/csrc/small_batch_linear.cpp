@@ -212,6 +212,15 @@ bool has_onednn_linear() {
   return available;
 }
 
+// Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX), asked once.
+bool has_native_bf16_matmul() {
+  static const bool available = [] {
+    const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
+    return has_onednn_linear() && op.has_value() && op->typed<bool()>().call();
+  }();
+  return available;
+}
+
 // oneDNN's linear, the op Inductor's CPU fusions call; `w` dense [N, K] or prepacked.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -304,6 +313,25 @@ at::Tensor as_float_contiguous(const at::Tensor& t) {
   return t.to(at::kFloat).contiguous();
 }
 
+// `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has native bfloat16 matmuls, x and
+// the int8 weights go in as bfloat16 (int8 values are exact in bfloat16) and the scales multiply the
+// product: 2-4x faster than widening the weights to float32 on every call (measured on Zen 5, SmolLM's
+// layer shapes at 9 to 512 rows), at bfloat16's rounding of the activations. Elsewhere, float32.
+at::Tensor wide_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias) {
+  const at::Tensor scale_f = as_float_contiguous(scale);
+  at::Tensor out;
+  if (has_native_bf16_matmul()) {
+    out = onednn_linear(x.to(at::kBFloat16).contiguous(), qweight.to(at::kBFloat16), std::nullopt)
+              .to(at::kFloat)
+              .mul_(scale_f);
+  } else {
+    out = at::linear(as_float_contiguous(x), at::mul(qweight.to(at::kFloat), scale_f.unsqueeze(1)));
+  }
+  if (bias) out.add_(*bias);
+  return out.to(x.scalar_type());
+}
+
 // x [M, K] float32 or bfloat16; weight [N, K] float32, bfloat16 or int8 (then `scale` [N] float32 is
 // required); bias [N]. Returns [M, N] in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
@@ -316,12 +344,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "strata_cpu::linear: weight dtype must be float32, bfloat16 or int8, got ", wtype);
   TORCH_CHECK((wtype == at::kChar) == scale.has_value(), "strata_cpu::linear: int8 weights need a scale");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  if (M > kMaxRows && wtype == at::kChar) return wide_int8_linear(x, weight, *scale, bias);
   if (M > kMaxRows) {
-    const at::Tensor w =
-        wtype == at::kChar
-            ? at::mul(weight.to(at::kFloat), as_float_contiguous(*scale).unsqueeze(1)).to(x.scalar_type())
-            : weight.to(x.scalar_type());
-    return wide_linear(x.contiguous(), weight, w.contiguous(),
+    return wide_linear(x.contiguous(), weight, weight.to(x.scalar_type()).contiguous(),
                        bias ? std::optional<at::Tensor>(bias->to(x.scalar_type())) : std::nullopt);
   }
   // Small tensors are used as they come when they already have the layout the kernel reads; only what
