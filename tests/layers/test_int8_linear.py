@@ -97,3 +97,23 @@ def test_forward_cpu_traces_as_one_graph(kernel: str) -> None:
     for tokens in (1, 5):
         x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
         torch.testing.assert_close(compiled(x), layer.forward_cpu(x), atol=1e-2, rtol=1e-2)
+
+
+def test_prepacked_int8_weight_is_read_for_wide_inputs() -> None:
+    """With the kernel and native bfloat16 matmuls, the loader's hook keeps a bfloat16 copy of the int8
+    weights in oneDNN's layout, which inputs over 8 rows multiply; narrower ones read the int8 weights."""
+    if not quantization.cpu_kernels.load("small_batch_linear"):
+        pytest.skip("Strata's CPU kernel cannot be built here (no C++ compiler, or turned off)")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("int8 weights are prepacked only on CPUs with native bfloat16 matmuls")
+    layer, _ = _layer(quantization.Int8Linear, 64, bias=True)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(5))
+    unpacked = layer.forward_cpu(x)
+    layer.process_weights_after_loading()
+    assert layer._packed_weight is not None
+    torch.testing.assert_close(layer.forward_cpu(x), unpacked, rtol=1e-5, atol=1e-5)
+    # A write through `.data` bypasses the version counter: only reads of the int8 weights see it.
+    layer.qweight.data.neg_()
+    torch.testing.assert_close(layer.forward_cpu(x), unpacked, rtol=1e-5, atol=1e-5)
+    narrow = layer.forward_cpu(x[:8]) - layer.bias
+    torch.testing.assert_close(narrow, -(unpacked[:8] - layer.bias), rtol=1e-2, atol=1e-2)

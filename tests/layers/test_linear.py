@@ -19,6 +19,7 @@ from strata import LLM, SamplingParams
 from strata.config import ConfigError
 from strata.hw_agnostic.layers import linear as hw_linear
 from strata.layers import cpu_kernels, linear
+from strata.layers import quantization as quantization_layers
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.load("small_batch_linear"),
@@ -110,23 +111,37 @@ def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
     assert other._packed_weight is not None and other._packed_weight.value is not first._packed_weight.value
 
 
-def test_only_contiguous_float_weights_are_prepacked() -> None:
+def test_only_contiguous_weights_of_the_kernel_dtypes_are_prepacked() -> None:
     assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(96, 64).t()) is None
     assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=torch.float16)) is None
     assert (
-        torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int8)) is None
+        torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int32)) is None
     )
+    # int8 weights are packed widened to bfloat16, where wide inputs multiply them in bfloat16.
+    int8_packed = torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int8))
+    assert (int8_packed is not None) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def test_engine_prepacks_linear_weights_unless_told_not_to(tiny_model_dir: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_engine_prepacks_linear_weights_unless_told_not_to(
+    tiny_model_dir: Callable[[str], Path], quantization: str | None
+) -> None:
+    if quantization == "int8" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("int8 weights are prepacked only where the CPU multiplies bfloat16 natively")
+    layer_class = quantization_layers.Int8Linear if quantization else linear.Linear
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24)]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens, packed = {}, {}
     for prepack in (True, False):
-        llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, prepack_weights=prepack)
+        llm = LLM(
+            str(tiny_model_dir("llama")),
+            skip_tokenizer_init=True,
+            prepack_weights=prepack,
+            quantization=quantization,
+        )
         packed[prepack] = llm.apply_model(
             lambda model: [
-                m._packed_weight is not None for m in model.modules() if isinstance(m, linear.Linear)
+                m._packed_weight is not None for m in model.modules() if isinstance(m, layer_class)
             ]
         )
         tokens[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -25,9 +25,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata.config import get_current_layer_config
 from strata.custom_op import CustomOp
 from strata.layers import cpu_kernels
 from strata.layers.base import Int8LinearBase
+from strata.layers.linear import prepacked_copy
+from strata.process_local import ProcessLocalValue
 
 # Up to this many rows the int8 kernels win; above it the bfloat16 matmul does (see the module docstring).
 _SMALL_BATCH_ROWS = 8
@@ -49,6 +52,15 @@ class Int8Linear(Int8LinearBase):
         self.use_strata_kernel = self.forward_method_name == "forward_cpu" and cpu_kernels.load(
             "small_batch_linear"
         )
+        self.prepack = self.use_strata_kernel and get_current_layer_config().prepack_weights
+        self._packed_weight: ProcessLocalValue[torch.Tensor] | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """With `prepack_weights`, a bfloat16 copy of the int8 weights in oneDNN's layout (`prepacked_copy`),
+        which inputs wider than 8 rows multiply instead of widening the weights on every call: twice the
+        int8 weights' memory on top of them."""
+        if self.prepack:
+            self._packed_weight = prepacked_copy(self.qweight)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)

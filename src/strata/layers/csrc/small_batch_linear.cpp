@@ -269,14 +269,17 @@ at::Tensor find_packed(const at::Tensor& weight) {
 constexpr int64_t kPackForRows = 32;
 
 // `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
-// `linear` with this very weight (same storage, shape and version) reads it. The caller keeps the returned
-// tensor alive for as long as the weight should use it. A weight registered already and unchanged since
-// (one weight shared by several layers, as tied embeddings are) gets the same copy back, not a second one.
-// Returns nothing where PyTorch has no oneDNN linear or the weight is not a contiguous float matrix:
-// `linear` then reads the dense weight.
+// `linear` with this very weight (same storage, shape and version) reads it. int8 weights are packed
+// widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`), where the CPU
+// multiplies bfloat16 natively. The caller keeps the returned tensor alive for as long as the weight
+// should use it. A weight registered already and unchanged since (one weight shared by several layers, as
+// tied embeddings are) gets the same copy back, not a second one. Returns nothing where PyTorch has no
+// oneDNN linear or the weight is not a contiguous matrix of those dtypes: `linear` then reads the weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
+  const auto dtype = weight.scalar_type();
+  const bool int8 = dtype == at::kChar;
   if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
-      (weight.scalar_type() != at::kFloat && weight.scalar_type() != at::kBFloat16)) {
+      !(dtype == at::kFloat || dtype == at::kBFloat16 || (int8 && has_native_bf16_matmul()))) {
     return std::nullopt;
   }
   if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
@@ -284,7 +287,7 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   static const auto reorder = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                                   .typed<Signature>();
-  at::Tensor packed = reorder.call(weight, kPackForRows);
+  at::Tensor packed = reorder.call(int8 ? weight.to(at::kBFloat16) : weight, kPackForRows);
   std::lock_guard<std::mutex> lock(packed_mutex);
   std::erase_if(packed_weights, [](const auto& entry) { return entry.second.packed.expired(); });
   packed_weights.insert_or_assign(
@@ -314,15 +317,17 @@ at::Tensor as_float_contiguous(const at::Tensor& t) {
 }
 
 // `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has native bfloat16 matmuls, x and
-// the int8 weights go in as bfloat16 (int8 values are exact in bfloat16) and the scales multiply the
-// product: 2-4x faster than widening the weights to float32 on every call (measured on Zen 5, SmolLM's
+// the int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is
+// one) and the scales multiply the product: 2-4x faster than widening the weights to float32 on every call (measured on Zen 5, SmolLM's
 // layer shapes at 9 to 512 rows), at bfloat16's rounding of the activations. Elsewhere, float32.
 at::Tensor wide_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias) {
   const at::Tensor scale_f = as_float_contiguous(scale);
   at::Tensor out;
   if (has_native_bf16_matmul()) {
-    out = onednn_linear(x.to(at::kBFloat16).contiguous(), qweight.to(at::kBFloat16), std::nullopt)
+    const at::Tensor packed = find_packed(qweight);
+    out = onednn_linear(x.to(at::kBFloat16).contiguous(), packed.defined() ? packed : qweight.to(at::kBFloat16),
+                        std::nullopt)
               .to(at::kFloat)
               .mul_(scale_f);
   } else {
