@@ -185,7 +185,8 @@ class LayerConfig:
     `layer_impl` None takes STRATA_USE_HW_AGNOSTIC. `custom_ops` starts from "all" or "none" and adjusts
     single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
     `prepack_weights` lets layers keep a second copy of their weights in a faster kernel's own layout
-    (STRATA_PREPACK_WEIGHTS; on): more memory for speed.
+    (STRATA_PREPACK_WEIGHTS; on): more memory for speed, and only while a quarter of the machine's memory
+    stays free (`layers.linear.prepacked_copy`).
     """
 
     layer_impl: str | None = None

@@ -4,6 +4,7 @@ every HF Linear of a built model replaced."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -109,6 +110,34 @@ def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
     other = linear.Linear(96, 130)
     other.process_weights_after_loading()
     assert other._packed_weight is not None and other._packed_weight.value is not first._packed_weight.value
+
+
+def test_no_prepacked_copy_where_it_would_leave_too_little_memory_free(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A copy is made only while a quarter of the machine's memory stays free after it; the first layer that
+    finds no room logs it once, and the layer then reads its dense weight for every input width."""
+    monkeypatch.setattr(linear, "_warned_memory_short", False)
+    floor = linear.PREPACK_KEEP_FREE_FRACTION * linear.host_memory.total_bytes()
+    copy_bytes = 130 * 96 * 4
+    layers = [linear.Linear(96, 130) for _ in range(3)]
+    for layer in layers:
+        nn.init.normal_(layer.weight)
+    free = {"bytes": int(floor + copy_bytes + 1)}
+    monkeypatch.setattr(linear.host_memory, "available_bytes", lambda: free["bytes"])
+    layers[0].process_weights_after_loading()
+    assert layers[0]._packed_weight is not None
+    free["bytes"] -= 2  # the next copy would take the free memory below the floor
+    with caplog.at_level(logging.WARNING, logger="strata.layers"):
+        layers[1].process_weights_after_loading()
+        layers[2].process_weights_after_loading()
+    assert layers[1]._packed_weight is None and layers[2]._packed_weight is None
+    assert [r.getMessage() for r in caplog.records if "prepacked" in r.getMessage()] == [
+        caplog.records[0].getMessage()
+    ]
+    assert "prepack_weights=False" in caplog.records[0].getMessage()
+    x = torch.randn(20, 96)
+    torch.testing.assert_close(layers[1](x), nn.functional.linear(x, layers[1].weight))
 
 
 def test_only_contiguous_weights_of_the_kernel_dtypes_are_prepacked() -> None:

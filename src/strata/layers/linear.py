@@ -2,26 +2,57 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+from strata import host_memory
 from strata.config import get_current_layer_config
 from strata.custom_op import CustomOp
 from strata.layers import cpu_kernels
 from strata.layers.base import LinearBase
 from strata.process_local import ProcessLocalValue
 
+logger = logging.getLogger("strata.layers")
+
 # Weight dtypes `strata_cpu::linear` reads; other dtypes (float16) use ATen.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# A prepacked copy is made only while this share of the machine's memory stays free after it: a model that
+# loads without the copies must still load, with room for its KV cache, when they would not fit.
+PREPACK_KEEP_FREE_FRACTION = 0.25
 
 
 def prepacked_copy(weight: torch.Tensor) -> ProcessLocalValue[torch.Tensor] | None:
     """Register `weight`'s oneDNN layout with `strata_cpu::linear`, which reads it for inputs wider than 8
     rows, and return the copy for the layer to hold: it lives as long as the layer, and the op finds it by
     the weight's storage. Process-local, because a saved compiled trace pickles the layer and a oneDNN
-    tensor cannot be pickled. None where the op keeps no copy of this weight."""
+    tensor cannot be pickled. None where the op keeps no copy of this weight, or memory is short."""
+    copy_bytes = weight.numel() * (2 if weight.dtype == torch.int8 else weight.element_size())  # int8: bf16
+    available = host_memory.available_bytes()
+    if available - copy_bytes < PREPACK_KEEP_FREE_FRACTION * host_memory.total_bytes():
+        _warn_memory_short(available)
+        return None
     packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
     return None if packed is None else ProcessLocalValue(packed)
+
+
+_warned_memory_short = False
+
+
+def _warn_memory_short(available: int) -> None:
+    """Once per process: a model's layers each ask in turn, and the first that finds no room says it."""
+    global _warned_memory_short
+    if _warned_memory_short:
+        return
+    _warned_memory_short = True
+    logger.warning(
+        "%.1f GiB of memory free: layers from here on keep no prepacked weight copy (their prefill and batches "
+        "run slower); prepack_weights=False turns the copies off everywhere",
+        available / 2**30,
+    )
 
 
 @CustomOp.register("linear")

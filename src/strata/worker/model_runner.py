@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from strata import host_memory
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
 from strata.attention.ops import prepare_backend
 from strata.compilation.compiler import CompiledForward
@@ -47,17 +47,6 @@ class ModelOutput:
             return self.logits
         rows = torch.tensor(self.sample_rows, dtype=torch.int64, device=self.logits.device)
         return self.logits.index_select(0, rows)
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class ModelRunner:
@@ -107,7 +96,7 @@ class ModelRunner:
             return num_blocks
         # Enough for every sequence slot at full length, bounded by a share of the free memory.
         wanted = self.config.scheduler_config.max_num_seqs * min_blocks
-        affordable = int(_available_memory_bytes() * _DEFAULT_FREE_MEMORY_FRACTION) // per_block
+        affordable = int(host_memory.available_bytes() * _DEFAULT_FREE_MEMORY_FRACTION) // per_block
         return max(min_blocks, min(wanted, affordable))
 
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
