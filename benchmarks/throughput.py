@@ -286,13 +286,19 @@ ENGINES: dict[str, EngineFactory] = {
     "strata-hw-agnostic-compiled": functools.partial(strata_engine, layer_impl="hw-agnostic", compile=True),
     "strata-example-plugin": strata_example_plugin_engine,
     "strata-bf16": functools.partial(strata_engine, dtype="bfloat16"),
+    "strata-bf16-compiled": functools.partial(strata_engine, dtype="bfloat16", compile=True),
     "strata-int8": functools.partial(strata_engine, quantization="int8"),
     "strata-int8-compiled": functools.partial(strata_engine, quantization="int8", compile=True),
 }
 DEFAULT_ENGINES = ("strata", BASELINE, LLAMA_CPP)
 # Bytes per matmul weight an engine reads in a decode step (default: the folder's float32). int8's one
 # scale per output row is left out (a few KB); its input embedding stays float but only one row is read.
-ENGINE_WEIGHT_BYTES: dict[str, float] = {"strata-bf16": 2.0, "strata-int8": 1.0, "strata-int8-compiled": 1.0}
+ENGINE_WEIGHT_BYTES: dict[str, float] = {
+    "strata-bf16": 2.0,
+    "strata-bf16-compiled": 2.0,
+    "strata-int8": 1.0,
+    "strata-int8-compiled": 1.0,
+}
 # Engines that generate a batch's prompts one after another rather than together.
 SEQUENTIAL_ENGINES = frozenset({LLAMA_CPP})
 
