@@ -5,7 +5,7 @@ decode steps to it; and the engine's greedy output does not change when the kern
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -112,6 +112,52 @@ def test_kernel_matches_the_reference_for_other_groups_and_head_dims(
     _check_against_reference(
         num_heads, num_kv_heads, head_dim, dtype, softcap, sliding_window, torch.float32, tolerance
     )
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Sets torch's intra-op thread count for the test and restores it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads", [2, 4])
+@pytest.mark.parametrize("seq_lens", [[1000], [513, 7], [300]], ids=["one", "two", "short"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 48)], ids=["gqa", "mqa"]
+)
+@pytest.mark.parametrize(("softcap", "sliding_window"), [(0.0, 0), (2.0, 700)])
+def test_long_contexts_of_few_sequences_are_split_over_threads_and_merged(
+    threads: Callable[[int], None],
+    num_threads: int,
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    softcap: float,
+    sliding_window: int,
+) -> None:
+    """With fewer (sequence, KV head) items than twice the threads, each long context is attended in parts
+    (cut at block boundaries, the sliding window's start inside one) whose results are merged by their
+    softmax sums: the same as the reference and as one thread, which attends each context whole."""
+    generator = torch.Generator().manual_seed(len(seq_lens) + num_threads)
+    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * max_blocks + 5
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator) * 3  # peaked softmaxes
+    args = (query, k_cache, v_cache, tables, lens, head_dim**-0.5, softcap, sliding_window)
+    threads(num_threads)
+    out = torch.ops.strata_cpu.paged_decode_attention(*args)
+    threads(1)
+    whole = torch.ops.strata_cpu.paged_decode_attention(*args)
+    expected = torch_native._decode_attention(*args)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:

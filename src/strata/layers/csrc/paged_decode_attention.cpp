@@ -8,7 +8,9 @@
 // byte is read once and nothing is allocated per token.
 //
 // Work items are (sequence, KV head) pairs spread over ATen's intra-op threads. The query heads that share
-// a KV head (GQA) are computed together, so each key and value row serves all of them from L1.
+// a KV head (GQA) are computed together, so each key and value row serves all of them from L1. When there
+// are too few items to keep every thread busy (a batch of one), each sequence's context is also split into
+// parts of at least 256 tokens, attended separately and merged by their softmax sums, as flash-decoding does.
 //
 // C++ (`#pragma omp simd` loops and GCC/Clang vector types; only the widening loads of `float_tiles.h` use
 // x86 intrinsics where the CPU has them) vectorised by the compiler for this CPU (-O3 -march=native); it is
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -165,17 +168,19 @@ struct Indices {
   int64_t operator[](int64_t i) const { return i32 ? i32[i] : i64[i]; }
 };
 
-// One (sequence, KV head) item: `group` query heads `q` ([group, head_dim], already scaled) attend over the
-// sequence's keys [first, len); the result goes to `acc` ([group, value_dim]). `scores` holds
-// [group, block_size] floats and `row_max`/`row_sum` `group` floats of scratch.
+// One work item: `group` query heads `q` ([group, head_dim], already scaled) of one KV head attend over the
+// sequence's keys at positions [first, len); the softmax-weighted values go to `acc` ([group, value_dim]),
+// each head's largest score and sum of exponentials to `stats` ([group, 2]), which is what merging the
+// items of one sequence's parts needs. `scores` holds [group, block_size] floats and `row_max`/`row_sum`
+// `group` floats of scratch.
 template <typename T>
-void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
-                const float* q, float* acc, float* scores, float* row_max, float* row_sum) {
+void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
+                int64_t kv_head, const float* q, float* acc, float* stats, float* scores, float* row_max,
+                float* row_sum) {
   const int64_t group = s.heads / s.kv_heads, bs = s.block_size, D = s.head_dim, Dv = s.value_dim;
   std::fill(acc, acc + group * Dv, 0.f);
   std::fill(row_max, row_max + group, -std::numeric_limits<float>::infinity());
   std::fill(row_sum, row_sum + group, 0.f);
-  const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, len - s.sliding_window) : 0;
   for (int64_t block = first / bs; block * bs < len; ++block) {
     const int64_t id = table[block];
     TORCH_CHECK(id >= 0 && id < s.num_blocks, "strata_cpu::paged_decode_attention: block id ", id,
@@ -222,6 +227,8 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t l
     float* ag = acc + g * Dv;
 #pragma omp simd
     for (int64_t d = 0; d < Dv; ++d) ag[d] *= inv;
+    stats[2 * g] = row_max[g];
+    stats[2 * g + 1] = row_sum[g];
   }
 }
 
@@ -275,8 +282,8 @@ inline Tile exp_nonpositive(Tile x) {
 // max, exp and sum; the heads' queries and outputs are register tiles held across the whole sequence, and the
 // next block's keys and values are prefetched while this one is computed.
 template <int MG, int DT, int DVT, typename T>
-void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
-                  const float* q, float* out) {
+void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
+                  int64_t kv_head, const float* q, float* out, float* stats) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.value_dim;
   const int64_t ks = s.k_strides[1], vs = s.v_strides[1];
   Tile qt[MG][DT];
@@ -294,7 +301,6 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
   for (int j = 0; j < kTile; ++j) lane[j] = static_cast<float>(j);
   const Tile neg_inf = Tile{} - std::numeric_limits<float>::infinity();
   alignas(64) float p[MG][kTile];
-  const int64_t first = s.sliding_window > 0 ? std::max<int64_t>(0, len - s.sliding_window) : 0;
   const int64_t first_block = first / bs;
   int64_t id = first_block * bs < len ? table[first_block] : 0;
   for (int64_t block = first_block; block * bs < len; ++block) {
@@ -368,21 +374,25 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
       const Tile r = acc[g][d] * inv;
       std::memcpy(out + g * Dv + d * kTile, &r, sizeof(r));
     }
+    stats[2 * g] = row_max[g];
+    stats[2 * g + 1] = row_sum[g];
   }
 }
 
 template <int DT, int DVT, typename T>
-void attend_tiles_group(const Shape& s, const T* k, const T* v, Indices table, int64_t len, int64_t kv_head,
-                        const float* q, float* out) {
+void attend_tiles_group(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
+                        int64_t kv_head, const float* q, float* out, float* stats) {
   const int64_t group = s.heads / s.kv_heads;
   for_head_groups(group, [&](auto heads, int64_t g) {
-    attend_tiles<heads, DT, DVT>(s, k, v, table, len, kv_head, q + g * s.head_dim, out + g * s.value_dim);
+    attend_tiles<heads, DT, DVT>(s, k, v, table, first, len, kv_head, q + g * s.head_dim,
+                                 out + g * s.value_dim, stats + 2 * g);
   });
 }
 
 // The fast path for this shape, or null.
 template <typename T>
-using AttendFn = void (*)(const Shape&, const T*, const T*, Indices, int64_t, int64_t, const float*, float*);
+using AttendFn = void (*)(const Shape&, const T*, const T*, Indices, int64_t, int64_t, int64_t, const float*,
+                          float*, float*);
 
 template <typename T>
 AttendFn<T> tiled_path(const Shape& s) {
@@ -395,6 +405,59 @@ AttendFn<T> tiled_path(const Shape& s) {
   }
 }
 
+// A sequence's context is split into parts (each its own work item, merged afterwards) only when there are
+// fewer (sequence, KV head) items than twice the threads, and only into parts of at least this many tokens:
+// shorter parts cost more to merge than they save.
+constexpr int64_t kMinPartTokens = 256;
+
+// How many parts each sequence's context is split into: enough for two items per thread, so that a batch of
+// one, whose few KV heads leave threads idle or unevenly loaded (3 heads on 2 threads), keeps every thread
+// busy to the end, and each thread reads whole stretches of the cache.
+int64_t context_parts(int64_t items, int64_t longest_context, int64_t block_size) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || items >= 2 * threads) return 1;
+  const int64_t wanted = (2 * threads + items - 1) / items;
+  const int64_t most = std::max<int64_t>(1, longest_context / std::max(kMinPartTokens, block_size));
+  return std::min(wanted, most);
+}
+
+// Part `part` of `parts` of the token span [first, len), cut at block boundaries.
+std::pair<int64_t, int64_t> part_span(int64_t first, int64_t len, int64_t part, int64_t parts, int64_t bs) {
+  if (parts == 1) return {first, len};
+  const int64_t first_block = first / bs, blocks = (len + bs - 1) / bs - first_block;
+  const int64_t lo = first_block + blocks * part / parts, hi = first_block + blocks * (part + 1) / parts;
+  return {std::max(first, lo * bs), std::min(len, hi * bs)};
+}
+
+// out[g] = the softmax-weighted sum over all of a sequence's parts, from each part's normalised output and
+// its (largest score, sum of exponentials) per head: each part counts in proportion to its share of the
+// whole softmax's denominator.
+void merge_parts(const float* part_out, const float* part_stats, int64_t parts, int64_t group, int64_t Dv,
+                 float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* st = part_stats + (p * group + g) * 2;
+      if (st[1] > 0) top = std::max(top, st[0]);
+    }
+    float* o = out + g * Dv;
+    std::fill(o, o + Dv, 0.f);
+    float total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* st = part_stats + (p * group + g) * 2;
+      if (!(st[1] > 0)) continue;
+      const float weight = st[1] * exp_nonpositive(st[0] - top);
+      total += weight;
+      const float* po = part_out + (p * group + g) * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) o[d] += weight * po[d];
+    }
+    const float inv = total > 0 ? 1.f / total : 0.f;
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+  }
+}
+
 // The general path (`attend_one`) serves other head dims and value dims that differ from the key's.
 template <typename T>
 void decode_attention(const Shape& s, const float* query, const T* k, const T* v, const at::Tensor& tables,
@@ -402,24 +465,45 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
   const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
   const Indices table_all(tables);
   const AttendFn<T> tiled = tiled_path<T>(s);
-  at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> firsts(batch);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    firsts[b] = s.sliding_window > 0 ? std::max<int64_t>(0, lens[b] - s.sliding_window) : 0;
+    longest = std::max(longest, lens[b] - firsts[b]);
+  }
+  const int64_t items = batch * s.kv_heads;
+  const int64_t parts = context_parts(items, longest, s.block_size);
+  // With parts, each item's output and stats go to scratch and are merged below; without, straight to out.
+  std::vector<float> part_out(parts > 1 ? items * parts * group * s.value_dim : 0);
+  std::vector<float> stats(items * parts * group * 2);
+  at::parallel_for(0, items * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * s.head_dim), scores(group * s.block_size), row_max(group), row_sum(group);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t work = begin; work < end; ++work) {
+      const int64_t item = work / parts, part = work % parts;
       const int64_t b = item / s.kv_heads, kv_head = item % s.kv_heads;
       const float* qb = query + (b * s.heads + kv_head * group) * s.head_dim;
       for (int64_t i = 0; i < group * s.head_dim; ++i) q[i] = qb[i] * s.scale;
       Indices table = table_all;
       if (table.i32) table.i32 += b * s.table_stride;
       else table.i64 += b * s.table_stride;
-      float* o = out + (b * s.heads + kv_head * group) * s.value_dim;
+      const auto [first, last] = part_span(firsts[b], lens[b], part, parts, s.block_size);
+      float* o = parts > 1 ? part_out.data() + work * group * s.value_dim
+                           : out + (b * s.heads + kv_head * group) * s.value_dim;
+      float* st = stats.data() + work * group * 2;
       if (tiled) {
-        tiled(s, k, v, table, lens[b], kv_head, q.data(), o);
+        tiled(s, k, v, table, first, last, kv_head, q.data(), o, st);
       } else {
-        attend_one(s, k, v, table, lens[b], kv_head, q.data(), o, scores.data(), row_max.data(),
+        attend_one(s, k, v, table, first, last, kv_head, q.data(), o, st, scores.data(), row_max.data(),
                    row_sum.data());
       }
     }
   });
+  if (parts == 1) return;
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / s.kv_heads, kv_head = item % s.kv_heads;
+    merge_parts(part_out.data() + item * parts * group * s.value_dim, stats.data() + item * parts * group * 2,
+                parts, group, s.value_dim, out + (b * s.heads + kv_head * group) * s.value_dim);
+  }
 }
 
 // query [B, H, D] (one token per sequence); k_cache [num_blocks, block_size, Hkv, D] and v_cache
