@@ -212,7 +212,9 @@ bool has_onednn_linear() {
   return available;
 }
 
-// Whether oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or AMX), asked once.
+// Whether oneDNN has its bfloat16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; bfloat16
+// arithmetic in hardware with AVX512-BF16 or AMX), asked once. Elsewhere (AVX2) its bfloat16 reorder and
+// linear raise errors.
 bool has_native_bf16_matmul() {
   static const bool available = [] {
     const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
@@ -270,8 +272,8 @@ constexpr int64_t kPackForRows = 32;
 
 // `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
 // `linear` with this very weight (same storage, shape and version) reads it. int8 weights are packed
-// widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`), where the CPU
-// multiplies bfloat16 natively. The caller keeps the returned tensor alive for as long as the weight
+// widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`); bfloat16 and int8 only
+// where oneDNN has its bfloat16 path (`has_native_bf16_matmul`). The caller keeps the returned tensor alive for as long as the weight
 // should use it. A weight registered already and unchanged since (one weight shared by several layers, as
 // tied embeddings are) gets the same copy back, not a second one. Returns nothing where PyTorch has no
 // oneDNN linear or the weight is not a contiguous matrix of those dtypes: `linear` then reads the weight.
@@ -279,7 +281,7 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   const bool int8 = dtype == at::kChar;
   if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
-      !(dtype == at::kFloat || dtype == at::kBFloat16 || (int8 && has_native_bf16_matmul()))) {
+      !(dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_native_bf16_matmul()))) {
     return std::nullopt;
   }
   if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
@@ -303,7 +305,10 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
 // when `weight` was registered and x has its dtype), else ATen's. `w` is `weight` in x's dtype.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias) {
-  if (!has_onednn_linear() || x.scalar_type() == at::kHalf) return at::linear(x, w, bias);
+  if (!has_onednn_linear() || x.scalar_type() == at::kHalf ||
+      (x.scalar_type() == at::kBFloat16 && !has_native_bf16_matmul())) {
+    return at::linear(x, w, bias);  // no oneDNN bfloat16 path here (`has_native_bf16_matmul`)
+  }
   if (weight.scalar_type() == x.scalar_type()) {
     if (const at::Tensor packed = find_packed(weight); packed.defined()) return onednn_linear(x, packed, bias);
   }
