@@ -46,6 +46,10 @@ using strata_kernels::lane_sums;
 using strata_kernels::load_tile;
 using strata_kernels::load_tile_n;
 using Vec = strata_kernels::FloatTile;
+using Tile = strata_kernels::RegisterTile;  // accumulations (see `RegisterTile`)
+using strata_kernels::from_registers;
+using strata_kernels::load_register_tile;
+using strata_kernels::to_registers;
 
 // A layer is split over threads only when each thread gets at least this much work, counted in weight
 // bytes times (M + 1) / 2 (more rows of x, more arithmetic per byte): below it waking a second thread
@@ -69,50 +73,56 @@ struct Blocking {
 };
 
 // Tiles of the dot products of RB weight rows (`K` apart) with MB rows of x (`K` apart), as lanes to be
-// summed: out[m * kLanes + r]. Each widened weight tile serves all MB rows of x.
+// summed: out[m * kLanes + r]. Each widened weight tile serves all MB rows of x. The accumulators are
+// `RegisterTile`s and every loop over the blocking is unrolled (`STRATA_UNROLL`), so that they stay in
+// registers on CPUs whose registers are narrower than a tile.
 template <int MB, int RB, int KU, typename W>
 inline void row_dots(const float* x, const W* w, int64_t K, Vec* out) {
-  Vec acc[MB][RB][KU];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r)
-      for (int u = 0; u < KU; ++u) acc[m][r][u] = Vec{};
+  Tile acc[MB][RB][KU] = {};
   int64_t k = 0;
   for (; k + KU * kLanes <= K; k += KU * kLanes) {
-    Vec wv[RB][KU];
+    Tile wv[RB][KU];
+    STRATA_UNROLL
     for (int r = 0; r < RB; ++r) {
+      STRATA_UNROLL
       for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
         __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
                                                          kPrefetchBytes + p));
-      for (int u = 0; u < KU; ++u) wv[r][u] = load_tile(w + r * K + k + u * kLanes);
+      STRATA_UNROLL
+      for (int u = 0; u < KU; ++u) wv[r][u] = load_register_tile(w + r * K + k + u * kLanes);
     }
-    for (int m = 0; m < MB; ++m)
+    STRATA_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      STRATA_UNROLL
       for (int u = 0; u < KU; ++u) {
-        const Vec xv = load_tile(x + m * K + k + u * kLanes);
+        const Tile xv = load_register_tile(x + m * K + k + u * kLanes);
+        STRATA_UNROLL
         for (int r = 0; r < RB; ++r) acc[m][r][u] += xv * wv[r][u];
       }
+    }
   }
-  for (; k + kLanes <= K; k += kLanes) {
-    Vec wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load_tile(w + r * K + k);
+  for (; k < K; k += kLanes) {  // the last tiles, the very last one zero-padded
+    const int64_t n = std::min<int64_t>(kLanes, K - k);
+    Tile wv[RB];
+    STRATA_UNROLL
+    for (int r = 0; r < RB; ++r) wv[r] = to_registers(load_tile_n(w + r * K + k, n));
+    STRATA_UNROLL
     for (int m = 0; m < MB; ++m) {
-      const Vec xv = load_tile(x + m * K + k);
+      const Tile xv = to_registers(load_tile_n(x + m * K + k, n));
+      STRATA_UNROLL
       for (int r = 0; r < RB; ++r) acc[m][r][0] += xv * wv[r];
     }
   }
-  if (k < K) {
-    Vec wv[RB];
-    for (int r = 0; r < RB; ++r) wv[r] = load_tile_n(w + r * K + k, K - k);
-    for (int m = 0; m < MB; ++m) {
-      const Vec xv = load_tile_n(x + m * K + k, K - k);
-      for (int r = 0; r < RB; ++r) acc[m][r][KU - 1] += xv * wv[r];
+  STRATA_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    STRATA_UNROLL
+    for (int r = 0; r < RB; ++r) {
+      Tile t = acc[m][r][0];
+      STRATA_UNROLL
+      for (int u = 1; u < KU; ++u) t += acc[m][r][u];
+      out[m * kLanes + r] = from_registers(t);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < RB; ++r) {
-      Vec t = acc[m][r][0];
-      for (int u = 1; u < KU; ++u) t += acc[m][r][u];
-      out[m * kLanes + r] = t;
-    }
 }
 
 template <typename O>
@@ -273,10 +283,11 @@ constexpr int64_t kPackForRows = 32;
 // `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
 // `linear` with this very weight (same storage, shape and version) reads it. int8 weights are packed
 // widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`); bfloat16 and int8 only
-// where oneDNN has its bfloat16 path (`has_native_bf16_matmul`). The caller keeps the returned tensor alive for as long as the weight
-// should use it. A weight registered already and unchanged since (one weight shared by several layers, as
-// tied embeddings are) gets the same copy back, not a second one. Returns nothing where PyTorch has no
-// oneDNN linear or the weight is not a contiguous matrix of those dtypes: `linear` then reads the weight.
+// where oneDNN has its bfloat16 path (`has_native_bf16_matmul`). The caller keeps the returned tensor alive
+// for as long as the weight should use it. A weight registered already and unchanged since (one weight
+// shared by several layers, as tied embeddings are) gets the same copy back, not a second one. Returns
+// nothing where PyTorch has no oneDNN linear or the weight is not a contiguous matrix of those dtypes:
+// `linear` then reads the weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   const bool int8 = dtype == at::kChar;
