@@ -100,12 +100,12 @@ def test_forward_cpu_traces_as_one_graph(kernel: str) -> None:
 
 
 def test_prepacked_int8_weight_is_read_for_wide_inputs() -> None:
-    """With the kernel and native bfloat16 matmuls, the loader's hook keeps a bfloat16 copy of the int8
+    """With the kernel and oneDNN's bfloat16 path, the loader's hook keeps a bfloat16 copy of the int8
     weights in oneDNN's layout, which inputs over 8 rows multiply; narrower ones read the int8 weights."""
     if not quantization.cpu_kernels.load("small_batch_linear"):
         pytest.skip("Strata's CPU kernel cannot be built here (no C++ compiler, or turned off)")
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("int8 weights are prepacked only on CPUs with native bfloat16 matmuls")
+        pytest.skip("int8 weights are prepacked only where oneDNN has a bfloat16 path")
     layer, _ = _layer(quantization.Int8Linear, 64, bias=True)
     x = torch.randn(20, 64, generator=torch.Generator().manual_seed(5))
     unpacked = layer.forward_cpu(x)

@@ -165,7 +165,7 @@ def test_engine_prepacks_linear_weights_unless_told_not_to(
     tiny_model_dir: Callable[[str], Path], quantization: str | None
 ) -> None:
     if quantization == "int8" and not _onednn_has_bfloat16():
-        pytest.skip("int8 weights are prepacked only where the CPU multiplies bfloat16 natively")
+        pytest.skip("int8 weights are prepacked only where oneDNN has a bfloat16 path")
     layer_class = quantization_layers.Int8Linear if quantization else linear.Linear
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24)]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -43,7 +43,6 @@ constexpr int64_t kMaxRows = 8;
 
 using strata_kernels::kLanes;
 using strata_kernels::lane_sums;
-using strata_kernels::load_tile;
 using strata_kernels::load_tile_n;
 using Vec = strata_kernels::FloatTile;
 using Tile = strata_kernels::RegisterTile;  // accumulations (see `RegisterTile`)
@@ -228,7 +227,7 @@ bool has_onednn_linear() {
 // Whether oneDNN has its bfloat16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; bfloat16
 // arithmetic in hardware with AVX512-BF16 or AMX), asked once. Elsewhere (AVX2) its bfloat16 reorder and
 // linear raise errors.
-bool has_native_bf16_matmul() {
+bool has_onednn_bfloat16() {
   static const bool available = [] {
     const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
     return has_onednn_linear() && op.has_value() && op->typed<bool()>().call();
@@ -286,7 +285,7 @@ constexpr int64_t kPackForRows = 32;
 // `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
 // `linear` with this very weight (same storage, shape and version) reads it. int8 weights are packed
 // widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`); bfloat16 and int8 only
-// where oneDNN has its bfloat16 path (`has_native_bf16_matmul`). The caller keeps the returned tensor alive
+// where oneDNN has its bfloat16 path (`has_onednn_bfloat16`). The caller keeps the returned tensor alive
 // for as long as the weight should use it. A weight registered already and unchanged since (one weight
 // shared by several layers, as tied embeddings are) gets the same copy back, not a second one. Returns
 // nothing where PyTorch has no oneDNN linear or the weight is not a contiguous matrix of those dtypes:
@@ -295,7 +294,7 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   const bool int8 = dtype == at::kChar;
   if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
-      !(dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_native_bf16_matmul()))) {
+      !(dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))) {
     return std::nullopt;
   }
   if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
@@ -320,8 +319,8 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w,
                        const std::optional<at::Tensor>& bias) {
   if (!has_onednn_linear() || x.scalar_type() == at::kHalf ||
-      (x.scalar_type() == at::kBFloat16 && !has_native_bf16_matmul())) {
-    return at::linear(x, w, bias);  // no oneDNN bfloat16 path here (`has_native_bf16_matmul`)
+      (x.scalar_type() == at::kBFloat16 && !has_onednn_bfloat16())) {
+    return at::linear(x, w, bias);  // no oneDNN bfloat16 path here (`has_onednn_bfloat16`)
   }
   if (weight.scalar_type() == x.scalar_type()) {
     if (const at::Tensor packed = find_packed(weight); packed.defined()) return onednn_linear(x, packed, bias);
@@ -335,15 +334,16 @@ at::Tensor as_float_contiguous(const at::Tensor& t) {
   return t.to(at::kFloat).contiguous();
 }
 
-// `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has native bfloat16 matmuls, x and
-// the int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is
-// one) and the scales multiply the product: 2-4x faster than widening the weights to float32 on every call (measured on Zen 5, SmolLM's
-// layer shapes at 9 to 512 rows), at bfloat16's rounding of the activations. Elsewhere, float32.
+// `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has its bfloat16 path, x and the
+// int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is one)
+// and the scales multiply the product: 2-4x faster than widening the weights to float32 on every call
+// (measured on Zen 5, SmolLM's layer shapes at 9 to 512 rows), at bfloat16's rounding of the activations.
+// Elsewhere, float32.
 at::Tensor wide_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias) {
   const at::Tensor scale_f = as_float_contiguous(scale);
   at::Tensor out;
-  if (has_native_bf16_matmul()) {
+  if (has_onednn_bfloat16()) {
     const at::Tensor packed = find_packed(qweight);
     out = onednn_linear(x.to(at::kBFloat16).contiguous(), packed.defined() ? packed : qweight.to(at::kBFloat16),
                         std::nullopt)
