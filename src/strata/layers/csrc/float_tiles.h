@@ -1,6 +1,6 @@
-// What Strata's CPU kernels share: a register tile of 16 floats as a GCC/Clang vector type (one AVX-512
-// register, two AVX2 ones, four NEON ones), the loads that widen 16 elements of each weight or activation
-// dtype into one, and the horizontal sums of 16 such tiles at once.
+// What Strata's CPU kernels share: a tile of 16 floats as a GCC/Clang vector type (one AVX-512 register, two
+// AVX2 ones, four NEON ones) and the same as the CPU's own registers (`NativeTile`, `RegisterTile`); the
+// loads that widen each weight or activation dtype into them; lane sums and butterflies for any width.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>  // the widening loads where the CPU has them; elsewhere plain C++ below
@@ -17,7 +18,15 @@
 namespace strata_kernels {
 
 constexpr int kLanes = 16;
-using FloatTile = float __attribute__((vector_size(kLanes * sizeof(float))));
+// N floats as one vector type. (Through a class template: GCC ignores vector_size on an alias template
+// whose size depends on its parameter.)
+template <int N, typename E = float>
+struct VectorOf {
+  typedef E type __attribute__((vector_size(N * sizeof(E))));
+};
+template <int N>
+using FloatVec = typename VectorOf<N>::type;
+using FloatTile = FloatVec<kLanes>;
 using Bits16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 using Bits32 = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
@@ -34,7 +43,7 @@ constexpr int kNativeLanes = 8;
 #else
 constexpr int kNativeLanes = 4;
 #endif
-using NativeTile = float __attribute__((vector_size(kNativeLanes * sizeof(float))));
+using NativeTile = FloatVec<kNativeLanes>;
 
 // Before a loop over RegisterTiles: unrolled, GCC keeps them in registers; as a loop, in memory.
 #define STRATA_UNROLL _Pragma("GCC unroll 16")
@@ -68,68 +77,90 @@ inline FloatTile from_registers(const RegisterTile& r) {
   return v;
 }
 
-// kLanes consecutive elements of p (float, bfloat16, float16 or int8) widened to float; exact for each.
-template <typename T>
-inline FloatTile load_tile(const T* p) {
-  FloatTile v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+// N consecutive elements of p (bfloat16, float16 or int8) widened to float in portable vector code, for
+// CPUs without the x86 widening instructions. Exact for each dtype.
+template <int N, typename T>
+inline FloatVec<N> widen_portable(const T* p) {
+  using Bits16N = typename VectorOf<N, uint16_t>::type;
+  using Bits32N = typename VectorOf<N, uint32_t>::type;
+  FloatVec<N> v;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // A bfloat16 is the high half of the float32 it stands for: widen the bits and shift them up.
-#if defined(__AVX512F__)
-    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    v = reinterpret_cast<FloatTile>(_mm512_slli_epi32(h, 16));
-#elif defined(__AVX2__)  // GCC 12 turns the portable form below into scalar code here
-    const __m128i* q = reinterpret_cast<const __m128i*>(p);
-    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16);
-    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16);
-    std::memcpy(&v, &lo, sizeof(lo));
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-#else
-    Bits16 h;
+    Bits16N h;
     std::memcpy(&h, p, sizeof(h));
-    const Bits32 w = __builtin_convertvector(h, Bits32) << 16;
+    const Bits32N w = __builtin_convertvector(h, Bits32N) << 16;
     std::memcpy(&v, &w, sizeof(v));
-#endif
   } else if constexpr (std::is_same_v<T, c10::Half>) {
-#if defined(__AVX512F__)
-    v = reinterpret_cast<FloatTile>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)
-    const __m128i* q = reinterpret_cast<const __m128i*>(p);
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(q)), hi = _mm256_cvtph_ps(_mm_loadu_si128(q + 1));
-    std::memcpy(&v, &lo, sizeof(lo));
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-#else
     // float16 bits to float32 in vector integer arithmetic (c10::Half converts lane by lane): the exponent
     // and mantissa shifted into place and scaled by 2^112 (from float16's exponent bias to float32's, exact
     // for subnormals too); infinities and NaNs get float32's all-ones exponent; then the sign.
-    Bits16 h;
+    Bits16N h;
     std::memcpy(&h, p, sizeof(h));
-    const Bits32 w = __builtin_convertvector(h, Bits32);
-    const Bits32 magnitude = (w & 0x7fffu) << 13;
-    FloatTile scaled;
+    const Bits32N w = __builtin_convertvector(h, Bits32N);
+    const Bits32N magnitude = (w & 0x7fffu) << 13;
+    FloatVec<N> scaled;
     std::memcpy(&scaled, &magnitude, sizeof(scaled));
     scaled *= 0x1p112f;
-    Bits32 bits;
+    Bits32N bits;
     std::memcpy(&bits, &scaled, sizeof(bits));
     bits = magnitude >= (0x7c00u << 13) ? (magnitude | 0x7f800000u) : bits;
     bits |= (w & 0x8000u) << 16;
     std::memcpy(&v, &bits, sizeof(v));
+  } else {
+    static_assert(std::is_same_v<T, int8_t>, "widen_portable widens bfloat16, float16 and int8");
+    using Int8N = typename VectorOf<N, int8_t>::type;
+    Int8N b;
+    std::memcpy(&b, p, sizeof(b));
+    v = __builtin_convertvector(b, FloatVec<N>);
+  }
+  return v;
+}
+
+// kNativeLanes consecutive elements of p (float, bfloat16, float16 or int8) widened to float: one register.
+template <typename T>
+inline NativeTile load_native(const T* p) {
+  NativeTile v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    v = reinterpret_cast<NativeTile>(_mm512_slli_epi32(h, 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    v = reinterpret_cast<NativeTile>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    v = reinterpret_cast<NativeTile>(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)  // GCC 12 turns the portable form into scalar code here
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v = reinterpret_cast<NativeTile>(_mm256_slli_epi32(h, 16));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    v = reinterpret_cast<NativeTile>(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    v = reinterpret_cast<NativeTile>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
 #endif
   } else {
-    static_assert(std::is_same_v<T, int8_t>, "load_tile widens float, bfloat16, float16 and int8");
-#if defined(__AVX512F__)
-    v = reinterpret_cast<FloatTile>(
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(__AVX2__)
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
-    std::memcpy(&v, &lo, sizeof(lo));
-    std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-#else
-    for (int j = 0; j < kLanes; ++j) v[j] = static_cast<float>(p[j]);
-#endif
+    v = widen_portable<kNativeLanes>(p);
+  }
+  return v;
+}
+
+// kLanes consecutive elements of p widened to float, one native register at a time (`load_native`).
+template <typename T>
+inline FloatTile load_tile(const T* p) {
+  FloatTile v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));  // one copy, which GCC inlines where two halves made it call out of line
+  } else {
+    STRATA_UNROLL
+    for (int i = 0; i < kLanes / kNativeLanes; ++i) {
+      const NativeTile part = load_native(p + i * kNativeLanes);
+      std::memcpy(reinterpret_cast<char*>(&v) + i * sizeof(part), &part, sizeof(part));
+    }
   }
   return v;
 }
@@ -143,43 +174,79 @@ inline FloatTile load_tile_n(const T* p, int64_t n) {
   return load_tile(tmp);
 }
 
-// `load_tile` into registers: float32 read part by part, other dtypes widened as a FloatTile first.
+// `load_tile` into registers, widened part by part.
 template <typename T>
 inline RegisterTile load_register_tile(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    RegisterTile r;
-    STRATA_UNROLL
-    for (int i = 0; i < RegisterTile::kParts; ++i) {
+  RegisterTile r;
+  STRATA_UNROLL
+  for (int i = 0; i < RegisterTile::kParts; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
       std::memcpy(&r.part[i], p + i * kNativeLanes, sizeof(NativeTile));
+    } else {
+      r.part[i] = load_native(p + i * kNativeLanes);
     }
-    return r;
-  } else {
-    return to_registers(load_tile(p));
   }
+  return r;
 }
 
-// Lane t of the result is the sum of x[t]'s lanes, for kLanes tiles x (overwritten). Pairs of tiles are
-// merged by adding their halves, then quarters, ...: 15 merges of 3 vector operations for 16 sums, where
-// summing each tile by itself would take 16 dependent chains of 8.
-inline FloatTile lane_sums(FloatTile* x) {
-  static_assert(kLanes == 16, "the shuffles below are written for 16 lanes");
-  for (int i = 0; i < 8; ++i) {
-    const FloatTile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+// Lane j of the pairwise merge of W-lane tiles a (lanes 0 to W - 1) and b (W to 2W - 1) at chunk size h:
+// lanes [0, W/2) take a's even (odd when `odd`) chunks of h lanes, lanes [W/2, W) take b's.
+constexpr int merge_lane(int W, int h, int odd, int j) {
+  const int half = W / 2, within = j % half;
+  return (j < half ? 0 : W) + (2 * (within / h) + odd) * h + within % h;
+}
+
+template <int W, int H, int Odd, std::size_t... J>
+inline FloatVec<W> merge_pick(FloatVec<W> a, FloatVec<W> b, std::index_sequence<J...>) {
+  return __builtin_shufflevector(a, b, merge_lane(W, H, Odd, J)...);
+}
+
+// One level of `lane_sums`: 2H tiles of partial sums merged into H, each holding twice as many.
+template <int W, int H>
+inline void merge_level(FloatVec<W>* x) {
+  constexpr auto lanes = std::make_index_sequence<W>();
+  STRATA_UNROLL
+  for (int i = 0; i < H; ++i) {
+    const FloatVec<W> a = x[2 * i], b = x[2 * i + 1];
+    x[i] = merge_pick<W, H, 0>(a, b, lanes) + merge_pick<W, H, 1>(a, b, lanes);
   }
-  for (int i = 0; i < 4; ++i) {
-    const FloatTile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    const FloatTile a = x[2 * i], b = x[2 * i + 1];
-    x[i] = __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  if constexpr (H > 1) merge_level<W, H / 2>(x);
+}
+
+// Lane t of the result is the sum of x[t]'s lanes, for W tiles x of W lanes (overwritten). Pairs of tiles
+// are merged by adding their halves, then quarters, ...: W - 1 merges of 3 vector operations for W sums,
+// where summing each tile by itself would take W dependent chains of log2(W) shuffles and adds.
+// `native_lane_sums` (W = kNativeLanes) compiles to whole-register shuffles on every CPU; the FloatTile
+// form (W = kLanes) is the same on AVX-512, and on AVX2 GCC 12 assembles its shuffles from scalar inserts,
+// which the linear kernel (one call per 16 weight rows) was measured not to notice.
+template <int W>
+inline FloatVec<W> lane_sums(FloatVec<W>* x) {
+  merge_level<W, W / 2>(x);
+  return x[0];
+}
+
+inline NativeTile native_lane_sums(NativeTile* x) { return lane_sums<kNativeLanes>(x); }
+
+// Every lane of the result is the maximum (`lane_max`) or the sum (`lane_total`) of x's lanes: a butterfly
+// of log2(W) lane swaps, where a lane-by-lane loop is a chain of W - 1 scalar operations.
+template <int S, std::size_t... J>
+inline NativeTile swap_lanes(NativeTile x, std::index_sequence<J...>) {
+  return __builtin_shufflevector(x, x, (J ^ S)...);
+}
+
+template <int S = kNativeLanes / 2>
+inline NativeTile lane_max(NativeTile x) {
+  const NativeTile y = swap_lanes<S>(x, std::make_index_sequence<kNativeLanes>());
+  x = x > y ? x : y;
+  if constexpr (S > 1) return lane_max<S / 2>(x);
+  return x;
+}
+
+template <int S = kNativeLanes / 2>
+inline NativeTile lane_total(NativeTile x) {
+  x += swap_lanes<S>(x, std::make_index_sequence<kNativeLanes>());
+  if constexpr (S > 1) return lane_total<S / 2>(x);
+  return x;
 }
 
 }  // namespace strata_kernels

@@ -41,8 +41,9 @@ inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 
-// Columns per register tile (`float_tiles.h`).
-constexpr int64_t kTile = strata_kernels::kLanes;
+// Columns per register tile: one native vector register (`float_tiles.h`), whose shuffles and lane sums
+// compile to whole-register instructions on every CPU.
+constexpr int64_t kTile = strata_kernels::kNativeLanes;
 
 // exp(x) for x <= 0 within 3 ulp, in plain arithmetic so loops over it vectorise (libm's expf does not
 // without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n
@@ -65,7 +66,7 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * std::bit_cast<float>(exponent << 23);
 }
 
-using Tile = strata_kernels::FloatTile;
+using Tile = strata_kernels::NativeTile;
 
 // Calls f(heads, g) for the query heads [g, g + heads) of a GQA group, four at a time and the rest last,
 // with `heads` a compile-time constant (std::integral_constant) so each call runs a kernel unrolled for it.
@@ -80,12 +81,14 @@ inline void for_head_groups(int64_t group, F&& f) {
     }
   }
 }
-using strata_kernels::lane_sums;
-using strata_kernels::load_tile;
+using strata_kernels::lane_max;
+using strata_kernels::lane_total;
+using strata_kernels::load_native;
+using strata_kernels::native_lane_sums;
 
 // Scores of keys [n rows, `key_stride` apart] against MG query heads (rows of q, `D` apart) into MG rows of
 // `scores` (`bs` apart). Each dot product is summed in a register tile (each widened key tile serves all MG
-// heads), and the tiles of kTile keys are reduced to their scores together (`lane_sums`).
+// heads), and the tiles of kTile keys are reduced to their scores together (`native_lane_sums`).
 template <int MG, typename T>
 inline void block_scores(const float* q, int64_t D, const T* keys, int64_t key_stride, int64_t n,
                          float* scores, int64_t bs) {
@@ -97,8 +100,8 @@ inline void block_scores(const float* q, int64_t D, const T* keys, int64_t key_s
       const T* key = keys + (t0 + t) * key_stride;
       Tile a[MG] = {};
       for (int64_t d0 = 0; d0 < tiled; d0 += kTile) {
-        const Tile k = load_tile(key + d0);
-        for (int g = 0; g < MG; ++g) a[g] += load_tile(q + g * D + d0) * k;
+        const Tile k = load_native(key + d0);
+        for (int g = 0; g < MG; ++g) a[g] += load_native(q + g * D + d0) * k;
       }
       for (int g = 0; g < MG; ++g) {
         for (int64_t d = tiled; d < D; ++d) a[g][0] += q[g * D + d] * widen(key[d]);
@@ -107,7 +110,7 @@ inline void block_scores(const float* q, int64_t D, const T* keys, int64_t key_s
     }
     for (int g = 0; g < MG; ++g) {
       std::fill(dots[g] + m, dots[g] + kTile, Tile{});
-      const Tile sums = lane_sums(dots[g]);
+      const Tile sums = native_lane_sums(dots[g]);
       std::memcpy(scores + g * bs + t0, &sums, m * sizeof(float));
     }
   }
@@ -232,28 +235,6 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t f
   }
 }
 
-// Every lane of the result is the maximum (`hmax`) or the sum (`hsum`) of x's lanes: a butterfly of four
-// shuffles, where a lane-by-lane loop is a chain of 15 scalar operations.
-inline Tile butterfly_swap(Tile x, int step) {
-  switch (step) {
-    case 8: return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    case 4: return __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    case 2: return __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    default: return __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  }
-}
-inline Tile hmax(Tile x) {
-  for (int step = 8; step >= 1; step /= 2) {
-    const Tile y = butterfly_swap(x, step);
-    x = x > y ? x : y;
-  }
-  return x;
-}
-inline Tile hsum(Tile x) {
-  for (int step = 8; step >= 1; step /= 2) x += butterfly_swap(x, step);
-  return x;
-}
-
 // exp_nonpositive lane by lane, in vector operations.
 using TileInt = int32_t __attribute__((vector_size(kTile * sizeof(int32_t))));
 inline Tile exp_nonpositive(Tile x) {
@@ -270,9 +251,8 @@ inline Tile exp_nonpositive(Tile x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const TileInt exponent = reinterpret_cast<const TileInt&>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
-  const TileInt bits = exponent << 23;
-  const Tile e = p * reinterpret_cast<const Tile&>(bits);
+  const TileInt exponent = std::bit_cast<TileInt>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
+  const Tile e = p * std::bit_cast<Tile>(exponent << 23);
   return x < lowest ? Tile{} : e;
 }
 
@@ -288,7 +268,7 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
   const int64_t ks = s.k_strides[1], vs = s.v_strides[1];
   Tile qt[MG][DT];
   for (int g = 0; g < MG; ++g)
-    for (int d = 0; d < DT; ++d) qt[g][d] = load_tile(q + g * D + d * kTile);
+    for (int d = 0; d < DT; ++d) qt[g][d] = load_native(q + g * D + d * kTile);
   Tile acc[MG][DVT];
   for (int g = 0; g < MG; ++g)
     for (int d = 0; d < DVT; ++d) acc[g][d] = Tile{};
@@ -331,7 +311,7 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
       for (int64_t t = 0; t < n; ++t) {
         const T* key = kb + (c0 + t) * ks;
         Tile kt[DT];
-        for (int d = 0; d < DT; ++d) kt[d] = load_tile(key + d * kTile);
+        for (int d = 0; d < DT; ++d) kt[d] = load_native(key + d * kTile);
         for (int g = 0; g < MG; ++g) {
           Tile a = {};
           for (int d = 0; d < DT; ++d) a += qt[g][d] * kt[d];
@@ -342,17 +322,17 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
         for (int g = 0; g < MG; ++g) dots[g][t] = Tile{};
       const auto valid = lane < static_cast<float>(n);
       for (int g = 0; g < MG; ++g) {
-        Tile sc = lane_sums(dots[g]);
+        Tile sc = native_lane_sums(dots[g]);
         if (s.softcap > 0) {
           for (int64_t t = 0; t < n; ++t) sc[t] = std::tanh(sc[t] / s.softcap) * s.softcap;
         }
         sc = valid ? sc : neg_inf;
-        const float block_max = std::max(row_max[g], hmax(sc)[0]);
+        const float block_max = std::max(row_max[g], lane_max(sc)[0]);
         const float correction = exp_nonpositive(row_max[g] - block_max);
         row_max[g] = block_max;
         const Tile e = exp_nonpositive(sc - block_max);
         std::memcpy(p[g], &e, sizeof(e));
-        const float sum = hsum(e)[0];
+        const float sum = lane_total(e)[0];
         row_sum[g] = row_sum[g] * correction + sum;
         if (correction != 1.f) {
           for (int d = 0; d < DVT; ++d) acc[g][d] *= correction;
@@ -361,7 +341,7 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
       for (int64_t t = 0; t < n; ++t) {
         const T* val = vb + (c0 + t) * vs;
         for (int d = 0; d < DVT; ++d) {
-          const Tile vt = load_tile(val + d * kTile);
+          const Tile vt = load_native(val + d * kTile);
           for (int g = 0; g < MG; ++g) acc[g][d] += p[g][t] * vt;
         }
       }
@@ -398,9 +378,9 @@ template <typename T>
 AttendFn<T> tiled_path(const Shape& s) {
   if (s.head_dim != s.value_dim) return nullptr;
   switch (s.head_dim) {
-    case 32: return &attend_tiles_group<2, 2, T>;
-    case 64: return &attend_tiles_group<4, 4, T>;
-    case 128: return &attend_tiles_group<8, 8, T>;
+    case 32: return &attend_tiles_group<32 / kTile, 32 / kTile, T>;
+    case 64: return &attend_tiles_group<64 / kTile, 64 / kTile, T>;
+    case 128: return &attend_tiles_group<128 / kTile, 128 / kTile, T>;
     default: return nullptr;
   }
 }

@@ -147,7 +147,7 @@ void small_batch_rows(const float* x, const W* w, const float* scale, const B* b
     for (; i < rows; ++i) row_dots<MB, 1, KU>(x, w + (n0 + i) * K, K, &tiles[0][i]);
     for (int m = 0; m < MB; ++m) {
       for (int64_t j = rows; j < kLanes; ++j) tiles[m][j] = Vec{};
-      const Vec sums = lane_sums(tiles[m]);
+      const Vec sums = lane_sums<kLanes>(tiles[m]);
       for (int64_t j = 0; j < rows; ++j) {
         float v = sums[j];
         if (scale) v *= scale[n0 + j];
@@ -253,7 +253,7 @@ struct PackedWeight {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
-  uint32_t version;
+  int64_t version;
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> packed;
 
   bool matches(const at::Tensor& weight) const {
