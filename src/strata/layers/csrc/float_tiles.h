@@ -174,6 +174,15 @@ inline FloatTile load_tile_n(const T* p, int64_t n) {
   return load_tile(tmp);
 }
 
+// `load_native` of the first n <= kNativeLanes elements, the other lanes zero; nothing past p + n is read.
+template <typename T>
+inline NativeTile load_native_n(const T* p, int64_t n) {
+  if (n == kNativeLanes) return load_native(p);
+  T tmp[kNativeLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return load_native(tmp);
+}
+
 // `load_tile` into registers, widened part by part.
 template <typename T>
 inline RegisterTile load_register_tile(const T* p) {

@@ -40,12 +40,13 @@
 
 namespace {
 
-using Tile = strata_kernels::FloatTile;
-constexpr int64_t kTile = strata_kernels::kLanes;
-using strata_kernels::Bits16;
-using strata_kernels::Bits32;
-using strata_kernels::load_tile;
-using strata_kernels::load_tile_n;
+// One register per tile: GCC 12 compiles wider vector types' conversions and shuffles lane by lane.
+using Tile = strata_kernels::NativeTile;
+constexpr int64_t kTile = strata_kernels::kNativeLanes;
+using Bits16 = strata_kernels::VectorOf<kTile, uint16_t>::type;
+using Bits32 = strata_kernels::VectorOf<kTile, uint32_t>::type;
+using strata_kernels::load_native;
+using strata_kernels::load_native_n;
 
 // Rows are split over threads only when each thread gets at least this many elements: below it waking a
 // second thread costs more than the work it takes over (a row of a few thousand elements takes ~1 us).
@@ -69,6 +70,10 @@ inline void store(T* p, Tile v) {
     const Bits32 high = bf16_bits(v) >> 16;
 #if defined(__AVX512F__)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(reinterpret_cast<__m512i>(high)));
+#elif defined(__AVX2__)
+    const __m256i h = reinterpret_cast<__m256i>(high);  // each lane <= 0xffff: the saturating pack is exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 #else
     const Bits16 h = __builtin_convertvector(high, Bits16);
     std::memcpy(p, &h, sizeof(h));
@@ -77,12 +82,9 @@ inline void store(T* p, Tile v) {
 #if defined(__AVX512F__)
     const __m256i h = _mm512_cvtps_ph(reinterpret_cast<__m512>(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-#elif defined(__F16C__)
-    __m256 half[2];
-    std::memcpy(half, &v, sizeof(v));
-    __m128i* q = reinterpret_cast<__m128i*>(p);
-    _mm_storeu_si128(q, _mm256_cvtps_ph(half[0], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm_storeu_si128(q + 1, _mm256_cvtps_ph(half[1], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__) && defined(__AVX__)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(reinterpret_cast<__m256>(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
     for (int j = 0; j < kTile; ++j) p[j] = static_cast<T>(v[j]);
 #endif
@@ -101,7 +103,7 @@ inline Tile round_to(Tile v) {
   } else {
     T tmp[kTile];
     store(tmp, v);
-    return load_tile(tmp);
+    return load_native(tmp);
   }
 }
 
@@ -112,14 +114,6 @@ inline void store_n(T* p, Tile v, int64_t n) {
   T tmp[kTile];
   store(tmp, v);
   std::memcpy(p, tmp, n * sizeof(T));
-}
-
-// The sum of v's lanes: halves folded onto each other.
-inline float lane_sum(Tile v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  return v[0] + v[1];
 }
 
 // Rows [begin, end) of x (and residual, when given: then `sum` receives x + residual) normalised into out.
@@ -137,7 +131,7 @@ void norm_rows(const T* x, const T* residual, const W* weight, T* sum, O* out, i
       const T* rr = residual + r * H;
       T* sr = sum + r * H;
       auto add = [&](int64_t j, int64_t n, Tile& a) {
-        const Tile s = round_to<T>(load_tile_n(xr + j, n) + load_tile_n(rr + j, n));
+        const Tile s = round_to<T>(load_native_n(xr + j, n) + load_native_n(rr + j, n));
         store_n(sr + j, s, n);
         a += s * s;
       };
@@ -147,23 +141,23 @@ void norm_rows(const T* x, const T* residual, const W* weight, T* sum, O* out, i
       xr = sr;
     } else {
       auto square = [&](int64_t j, int64_t n, Tile& a) {
-        const Tile v = load_tile_n(xr + j, n);
+        const Tile v = load_native_n(xr + j, n);
         a += v * v;
       };
       for (; i + 4 * kTile <= H; i += 4 * kTile)
         for (int u = 0; u < 4; ++u) square(i + u * kTile, kTile, acc[u]);
       for (; i < H; i += kTile) square(i, std::min(kTile, H - i), acc[0]);
     }
-    const float sum_sq = lane_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    const float sum_sq = strata_kernels::lane_total((acc[0] + acc[1]) + (acc[2] + acc[3]))[0];
     const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(H) + eps);
     O* o = out + r * H;
     for (int64_t j = 0; j < H; j += kTile) {
       const int64_t n = std::min(kTile, H - j);
-      const Tile h = load_tile_n(xr + j, n) * inv;
+      const Tile h = load_native_n(xr + j, n) * inv;
       if constexpr (kOffset) {
-        store_n(o + j, h * (1.f + load_tile_n(weight + j, n)), n);
+        store_n(o + j, h * (1.f + load_native_n(weight + j, n)), n);
       } else {
-        store_n(o + j, round_to<T>(h) * load_tile_n(weight + j, n), n);
+        store_n(o + j, round_to<T>(h) * load_native_n(weight + j, n), n);
       }
     }
   }
