@@ -47,8 +47,12 @@ def _attend(
         if sliding_window > 0:
             mask &= k_pos > q_pos - sliding_window
     if softcap <= 0:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        # With a batch axis: for 3-D inputs the CPU dispatch takes SDPA's math path, which materialises the
+        # scores (SmolLM-135M's 512-token prefill layer, 2 threads on an AVX2 EPYC: 18 ms, 5.5 ms as 4-D).
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
     # Logit soft-capping (Gemma 2) has no SDPA equivalent: spell it out, softmax in float32.
     groups = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(groups, dim=0)
