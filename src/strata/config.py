@@ -248,6 +248,26 @@ FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attentio
 COMPILE_MODES = ("model", "layer")
 
 
+def _check_inductor_options(options: Any) -> None:
+    """Fail at engine construction, not at the first compile, on an Inductor option that does not exist."""
+    import torch._inductor.config as inductor_config
+
+    if not isinstance(options, dict):
+        raise ConfigError(
+            f"inductor_compile_config must be a dict of Inductor option -> value, got {options!r}"
+        )
+    missing = object()
+    for name in options:
+        owner: Any = inductor_config if isinstance(name, str) else missing
+        for part in str(name).split("."):
+            owner = getattr(owner, part, missing) if part and owner is not missing else missing
+        if owner is missing:
+            raise ConfigError(
+                f"inductor_compile_config: {name!r} is not an option of torch._inductor.config "
+                "(nested options are dotted, as in 'cpp.threads')"
+            )
+
+
 @dataclass
 class CompilationConfig:
     """Whether and how the model forward is compiled (`torch.compile` with Strata's piecewise backend).
@@ -263,6 +283,9 @@ class CompilationConfig:
     for the first call (per layer in "layer" mode); `evaluate_guards` checks them on every call, off they
     are skipped afterwards (nothing they check changes within an engine), which saves about a millisecond
     a step. Tests turn it on to prove that no batch size would have needed another trace.
+    `inductor_compile_config` (vLLM's name) sets Inductor options for every piece over Strata's own
+    (`compilation.backend.INDUCTOR_OPTIONS`), keyed by their `torch._inductor.config` names, for example
+    `{"cpp.threads": 1}` for serial loops in Inductor's own kernels.
     """
 
     compile: bool | None = None
@@ -272,6 +295,7 @@ class CompilationConfig:
     cache_dir: str | None = None
     use_cache: bool | None = None
     evaluate_guards: bool = False
+    inductor_compile_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from strata.compilation.layer_name import HAS_OPAQUE_TYPE
@@ -296,6 +320,8 @@ class CompilationConfig:
                 raise ConfigError(
                     f"passes: {name!r}: {enabled!r} is not allowed; keys are {', '.join(FUSION_PASSES)}, values bools"
                 )
+
+        _check_inductor_options(self.inductor_compile_config)
 
     def pass_enabled(self, name: str) -> bool:
         return self.passes.get(name, True)

@@ -18,6 +18,7 @@ from strata import LLM, SamplingParams
 from strata.compilation import backend
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.compilation.passes import traced_value
+from strata.config import ConfigError
 from strata.worker.model_runner import ModelOutput
 
 pytestmark = pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
@@ -337,3 +338,57 @@ def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
     assert _stats(shared["llm"]).dynamo_graphs == 1
     assert _stats(per_layer["llm"]).dynamo_graphs == _num_layers(per_layer["llm"])
     assert shared["tokens"] == per_layer["tokens"] == shared["eager_tokens"]
+
+
+def _piece_sources(llm: LLM) -> list[str]:
+    """The generated source of each distinct piece compiled so far (with the C++ wrapper, its C++ is in it)."""
+    pieces = llm.engine.runner.compiled.backend._pieces.values()
+    codes = [backend.inductor_code(piece) for piece in pieces]
+    assert codes and all(code is not None for code in codes)
+    return [Path(code.__globals__["__file__"]).read_text() for code in codes]
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two intra-op threads while the test runs: with one, Inductor never parallelises a loop anyway."""
+    outer = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(outer)
+
+
+def test_inductor_options_reach_every_piece(
+    runs: Callable[..., dict[str, Any]], bundled_model_dir: Path, two_threads: None
+) -> None:
+    """`inductor_compile_config` reaches Inductor for every piece: on two threads Inductor's own loops are
+    OpenMP loops, with `cpp.threads` 1 they are serial. Both compute as eager does."""
+    eager = runs(("bundled", "default", True, True, "model"))
+    for options, parallel in (({}, True), ({"cpp.threads": 1}, False)):
+        llm = LLM(
+            str(bundled_model_dir),
+            skip_tokenizer_init=True,
+            compile=True,
+            adaptive_threads=False,
+            compilation_config={"use_cache": False, "inductor_compile_config": options},
+        )
+        tokens, logits = _run(llm)
+        assert all(("#pragma omp parallel" in source) == parallel for source in _piece_sources(llm)), options
+        assert tokens == eager["eager_tokens"]
+        for compiled, reference in zip(logits, eager["eager_logits"], strict=True):
+            torch.testing.assert_close(compiled, reference, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cpp.no_such_option": 1}, r"'cpp.no_such_option' is not an option of torch\._inductor\.config"),
+        ({"no_such_option": 1}, "'no_such_option' is not an option"),
+        ({"cpp.": 1}, "is not an option"),
+        ([("cpp.threads", 1)], "must be a dict"),
+    ],
+)
+def test_unknown_inductor_options_are_refused_at_construction(
+    bundled_model_dir: Path, options: Any, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(bundled_model_dir), compile=True, compilation_config={"inductor_compile_config": options})

@@ -51,21 +51,22 @@ logger = logging.getLogger("strata.compilation")
 
 _ATTENTION_IMPLS = {overload: op.impl for op in ATTENTION_OPS for overload in op.overloads}
 
-# Inductor settings for every piece. Its size, stride and alignment checks on each input and each custom-op
-# output are Python calls that evaluate symbolic sizes on every run: at batch 1 they cost about as much as a
-# layer's attention (SmolLM-135M decode 55 -> 61-65 tok/s without them). The shapes they check are fixed by
-# the trace and the ops' fake implementations, which the tests compare with eager.
+# Inductor settings for every piece (`CompilationConfig.inductor_compile_config` adds to or overrides them).
+# Its size, stride and alignment checks on each input and each custom-op output are Python calls that
+# evaluate symbolic sizes on every run: at batch 1 they cost about as much as a layer's attention
+# (SmolLM-135M decode 55 -> 61-65 tok/s without them). The shapes they check are fixed by the trace and the
+# ops' fake implementations, which the tests compare with eager.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "alignment_asserts": False}
 
 
-def piece_options(inputs: Sequence[Any]) -> dict[str, Any]:
-    """Inductor settings for one piece: `INDUCTOR_OPTIONS`, with the C++ wrapper for a CPU piece that takes
-    no opaque value. The C++ wrapper calls the piece's ops without a Python line between them (a third less
-    overhead per piece call at batch 1), but it cannot pass an opaque value such as a `LayerName` to an op,
-    which a piece takes when the KV write is not fused into attention."""
+def piece_options(inputs: Sequence[Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Inductor settings for one piece: `INDUCTOR_OPTIONS` and the engine's `overrides`, with the C++ wrapper
+    for a CPU piece that takes no opaque value. The C++ wrapper calls the piece's ops without a Python line
+    between them (a third less overhead per piece call at batch 1), but it cannot pass an opaque value such
+    as a `LayerName` to an op, which a piece takes when the KV write is not fused into attention."""
     on_cpu = all(value.device.type == "cpu" for value in inputs if isinstance(value, torch.Tensor))
     opaque = any(isinstance(value, OpaqueBase) for value in inputs)
-    return {**INDUCTOR_OPTIONS, "cpp_wrapper": on_cpu and not opaque}
+    return {**INDUCTOR_OPTIONS, **overrides, "cpp_wrapper": on_cpu and not opaque}
 
 
 @dataclass
@@ -273,9 +274,15 @@ class _PieceCall:
 class StrataBackend:
     """The `backend=` of `torch.compile` for one engine: owns its piece table and statistics."""
 
-    def __init__(self, pass_manager: PassManager, cache_dir: Path | None) -> None:
+    def __init__(
+        self,
+        pass_manager: PassManager,
+        cache_dir: Path | None,
+        inductor_options: dict[str, Any] | None = None,
+    ) -> None:
         self.pass_manager = pass_manager
         self.cache_dir = cache_dir
+        self.inductor_options = inductor_options or {}
         self.stats = CompileStats()
         self._pieces: dict[str, Callable[..., Any]] = {}
         self._count_loads = True
@@ -342,7 +349,7 @@ class StrataBackend:
             return self.load_piece(key)
         self.stats.pieces += 1
         self.stats.distinct_pieces += 1
-        options = piece_options(inputs)
+        options = piece_options(inputs, self.inductor_options)
         artifact = standalone_compile(
             piece, inputs, dynamic_shapes="from_tracing_context", options={"config_patches": options}
         )

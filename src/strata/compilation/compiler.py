@@ -43,7 +43,7 @@ def cache_key(config: EngineConfig) -> str:
         "device": config.device,
         # The traced graph calls the kernels' ops where they load, with the schemas their sources define.
         "cpu_kernels": None if envs.disable_cpu_kernels() else cpu_kernels.sources_digest(),
-        "inductor": sorted(INDUCTOR_OPTIONS.items()),
+        "inductor": sorted({**INDUCTOR_OPTIONS, **compilation.inductor_compile_config}.items()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -228,7 +228,7 @@ class CompiledForward:
         cache_dir = Path(compilation.cache_dir) / cache_key(config) if compilation.use_cache else None
         layer_names = [getattr(m, LAYER_NAME_ATTR) for m in model.modules() if hasattr(m, LAYER_NAME_ATTR)]
         self.passes = PassManager(build_passes(layer_names, compilation.pass_enabled))
-        self.backend = StrataBackend(self.passes, cache_dir)
+        self.backend = StrataBackend(self.passes, cache_dir, compilation.inductor_compile_config)
         self.model = model
         self.evaluate_guards = compilation.evaluate_guards
 
