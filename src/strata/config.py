@@ -248,20 +248,28 @@ FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attentio
 COMPILE_MODES = ("model", "layer")
 
 
-def _check_inductor_options(options: Any) -> None:
-    """Fail at engine construction, not at the first compile, on an Inductor option that does not exist."""
+def _is_inductor_option(name: object) -> bool:
+    """Whether `name` names a `torch._inductor.config` option, nested ones dotted ("cpp.threads")."""
     import torch._inductor.config as inductor_config
 
+    if not isinstance(name, str):
+        return False
+    owner: Any = inductor_config
+    for part in name.split("."):
+        if not part or not hasattr(owner, part):
+            return False
+        owner = getattr(owner, part)
+    return True
+
+
+def _check_inductor_options(options: Any) -> None:
+    """Fail at engine construction, not at the first compile, on an Inductor option that does not exist."""
     if not isinstance(options, dict):
         raise ConfigError(
             f"inductor_compile_config must be a dict of Inductor option -> value, got {options!r}"
         )
-    missing = object()
     for name in options:
-        owner: Any = inductor_config if isinstance(name, str) else missing
-        for part in str(name).split("."):
-            owner = getattr(owner, part, missing) if part and owner is not missing else missing
-        if owner is missing:
+        if not _is_inductor_option(name):
             raise ConfigError(
                 f"inductor_compile_config: {name!r} is not an option of torch._inductor.config "
                 "(nested options are dotted, as in 'cpp.threads')"

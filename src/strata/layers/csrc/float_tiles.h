@@ -27,8 +27,6 @@ struct VectorOf {
 template <int N>
 using FloatVec = typename VectorOf<N>::type;
 using FloatTile = FloatVec<kLanes>;
-using Bits16 = uint16_t __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-using Bits32 = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
 // A FloatTile as the CPU's own vector registers: one AVX-512 register, two AVX ones, four SSE or NEON ones.
 // GCC (12, measured) keeps a vector type wider than the CPU's registers in memory inside loops, so on a CPU
@@ -165,22 +163,23 @@ inline FloatTile load_tile(const T* p) {
   return v;
 }
 
-// The first n <= kLanes elements, the other lanes zero; nothing past p + n is read.
-template <typename T>
-inline FloatTile load_tile_n(const T* p, int64_t n) {
-  if (n == kLanes) return load_tile(p);
-  T tmp[kLanes] = {};
+// `load` (of W elements) of the first n <= W elements of p, the other lanes zero; nothing past p + n is read.
+template <int W, typename T, typename Load>
+inline auto load_first(const T* p, int64_t n, Load load) {
+  if (n == W) return load(p);
+  T tmp[W] = {};
   std::memcpy(tmp, p, n * sizeof(T));
-  return load_tile(tmp);
+  return load(static_cast<const T*>(tmp));
 }
 
-// `load_native` of the first n <= kNativeLanes elements, the other lanes zero; nothing past p + n is read.
+template <typename T>
+inline FloatTile load_tile_n(const T* p, int64_t n) {
+  return load_first<kLanes>(p, n, load_tile<T>);
+}
+
 template <typename T>
 inline NativeTile load_native_n(const T* p, int64_t n) {
-  if (n == kNativeLanes) return load_native(p);
-  T tmp[kNativeLanes] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load_native(tmp);
+  return load_first<kNativeLanes>(p, n, load_native<T>);
 }
 
 // `load_tile` into registers, widened part by part.
