@@ -91,7 +91,8 @@ def _check_against_reference(
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
 @pytest.mark.parametrize("sliding_window", [0, 20])
-@pytest.mark.parametrize("head_dim", [64, 48])
+# 64 and 48 take the kernel's tiled path, 40 its general one.
+@pytest.mark.parametrize("head_dim", [64, 48, 40])
 def test_kernel_matches_the_torch_native_reference(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, softcap: float, sliding_window: int, head_dim: int
 ) -> None:
@@ -102,12 +103,13 @@ def test_kernel_matches_the_torch_native_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (12, 2)], ids=["group3", "group6"])
-@pytest.mark.parametrize("head_dim", [32, 128])
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 128, 256])
 @pytest.mark.parametrize(("softcap", "sliding_window"), [(0.0, 0), (3.0, 21)])
 def test_kernel_matches_the_reference_for_other_groups_and_head_dims(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, softcap: float, sliding_window: int
 ) -> None:
-    """Query-head groups of 3 and 6 (one pass of 3, two of 4 then 2) and the 32- and 128-wide heads."""
+    """Query-head groups of 3 and 6 (one pass of 3, two of 4 then 2) and the other head dims of the tiled
+    path (Phi-2's 80, Phi-3's 96, Gemma's 256)."""
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     _check_against_reference(
         num_heads, num_kv_heads, head_dim, dtype, softcap, sliding_window, torch.float32, tolerance

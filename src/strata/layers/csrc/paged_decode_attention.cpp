@@ -374,13 +374,25 @@ template <typename T>
 using AttendFn = void (*)(const Shape&, const T*, const T*, Indices, int64_t, int64_t, int64_t, const float*,
                           float*, float*);
 
+template <int HeadDim, typename T>
+AttendFn<T> tiles_for() {
+  if constexpr (HeadDim % kTile == 0) return &attend_tiles_group<HeadDim / kTile, HeadDim / kTile, T>;
+  return nullptr;
+}
+
+// The head dims of common models (48: TinyStories-sized Llamas; 80: Phi-2, StableLM; 96: Phi-3;
+// 256: Gemma), each where it is whole tiles on this CPU.
 template <typename T>
 AttendFn<T> tiled_path(const Shape& s) {
   if (s.head_dim != s.value_dim) return nullptr;
   switch (s.head_dim) {
-    case 32: return &attend_tiles_group<32 / kTile, 32 / kTile, T>;
-    case 64: return &attend_tiles_group<64 / kTile, 64 / kTile, T>;
-    case 128: return &attend_tiles_group<128 / kTile, 128 / kTile, T>;
+    case 32: return tiles_for<32, T>();
+    case 48: return tiles_for<48, T>();
+    case 64: return tiles_for<64, T>();
+    case 80: return tiles_for<80, T>();
+    case 96: return tiles_for<96, T>();
+    case 128: return tiles_for<128, T>();
+    case 256: return tiles_for<256, T>();
     default: return nullptr;
   }
 }
