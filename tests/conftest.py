@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,14 @@ os.environ["STRATA_PLUGINS"] = ""
 
 # Compiled pieces go to a private folder (subprocess servers inherit it), never the user's ~/.cache.
 os.environ["STRATA_CACHE_ROOT"] = tempfile.mkdtemp(prefix="strata-test-cache-")
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Sets torch's intra-op thread count for the test and restores it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ decode steps to it; and the engine's greedy output does not change when the kern
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,14 +114,6 @@ def test_kernel_matches_the_reference_for_other_groups_and_head_dims(
     _check_against_reference(
         num_heads, num_kv_heads, head_dim, dtype, softcap, sliding_window, torch.float32, tolerance
     )
-
-
-@pytest.fixture
-def threads() -> Iterator[Callable[[int], None]]:
-    """Sets torch's intra-op thread count for the test and restores it afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("num_threads", [2, 4])

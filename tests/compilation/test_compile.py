@@ -348,20 +348,12 @@ def _piece_sources(llm: LLM) -> list[str]:
     return [Path(code.__globals__["__file__"]).read_text() for code in codes]
 
 
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """Two intra-op threads while the test runs: with one, Inductor never parallelises a loop anyway."""
-    outer = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(outer)
-
-
 def test_inductor_options_reach_every_piece(
-    runs: Callable[..., dict[str, Any]], bundled_model_dir: Path, two_threads: None
+    runs: Callable[..., dict[str, Any]], bundled_model_dir: Path, threads: Callable[[int], None]
 ) -> None:
     """`inductor_compile_config` reaches Inductor for every piece: on two threads Inductor's own loops are
     OpenMP loops, with `cpp.threads` 1 they are serial. Both compute as eager does."""
+    threads(2)  # with one, Inductor never parallelises a loop anyway
     eager = runs(("bundled", "default", True, True, "model"))
     for options, parallel in (({}, True), ({"cpp.threads": 1}, False)):
         llm = LLM(

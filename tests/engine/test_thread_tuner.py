@@ -93,28 +93,26 @@ def test_engine_tunes_only_when_asked() -> None:
     )
 
 
-def test_each_step_runs_with_the_tuners_count_and_the_process_gets_its_own_back() -> None:
+def test_each_step_runs_with_the_tuners_count_and_the_process_gets_its_own_back(
+    threads: Callable[[int], None],
+) -> None:
     """torch's thread count is one per process: another engine, or the caller, may change it between two
     steps. The engine sets its tuner's count for each step and restores the caller's afterwards."""
-    outer = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        llm = LLM(skip_tokenizer_init=True, adaptive_threads=True)
-        tuner = llm.engine.runner.thread_tuner
-        assert tuner is not None and tuner.max_threads == 2
-        seen: list[int] = []
-        llm.apply_model(
-            lambda model: model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
-        )
-        tuner.threads = 1  # as if a probe had found one thread faster
-        params = SamplingParams(temperature=0, max_tokens=3)
-        llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
-        assert seen and set(seen) == {1}
-        assert torch.get_num_threads() == 2
-        tuner.threads = 2
-        torch.set_num_threads(3)  # changed between steps by someone else
-        seen.clear()
-        llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
-        assert set(seen) == {2} and torch.get_num_threads() == 3
-    finally:
-        torch.set_num_threads(outer)
+    threads(2)
+    llm = LLM(skip_tokenizer_init=True, adaptive_threads=True)
+    tuner = llm.engine.runner.thread_tuner
+    assert tuner is not None and tuner.max_threads == 2
+    seen: list[int] = []
+    llm.apply_model(
+        lambda model: model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    )
+    tuner.threads = 1  # as if a probe had found one thread faster
+    params = SamplingParams(temperature=0, max_tokens=3)
+    llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2
+    tuner.threads = 2
+    torch.set_num_threads(3)  # changed between steps by someone else
+    seen.clear()
+    llm.generate({"prompt_token_ids": [1, 43, 47]}, params, use_tqdm=False)
+    assert set(seen) == {2} and torch.get_num_threads() == 3
