@@ -6,6 +6,8 @@ User-caused problems raise `ConfigError` (a ValueError) naming the field and wha
 from __future__ import annotations
 
 import json
+import types
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -248,31 +250,55 @@ FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attentio
 COMPILE_MODES = ("model", "layer")
 
 
-def _is_inductor_option(name: object) -> bool:
-    """Whether `name` names a `torch._inductor.config` option, nested ones dotted ("cpp.threads")."""
+def _inductor_option(name: object) -> Any:
+    """The `torch._inductor.config` entry `name` names (nested ones dotted, "cpp.threads"), or None."""
     import torch._inductor.config as inductor_config
 
-    if not isinstance(name, str):
-        return False
-    owner: Any = inductor_config
-    for part in name.split("."):
-        if not part or not hasattr(owner, part):
-            return False
-        owner = getattr(owner, part)
-    return True
+    if not isinstance(name, str) or not all(name.split(".")):
+        return None
+    return inductor_config._config.get(name)
+
+
+def _fits_type(value: object, value_type: Any) -> bool:
+    """Whether `value` can be an option declared `value_type`: plain types, unions and generic containers
+    are checked by their classes (`bool` is no `int` here, an `int` is a `float`); any other annotation
+    (`Callable`, `Any`, ...) accepts every value."""
+    if value_type is type(None):
+        return value is None
+    if isinstance(value_type, types.UnionType) or typing.get_origin(value_type) is typing.Union:
+        return any(_fits_type(value, member) for member in typing.get_args(value_type))
+    kind = typing.get_origin(value_type) or value_type
+    if not isinstance(kind, type) or kind is object:
+        return True
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _check_inductor_options(options: Any) -> None:
-    """Fail at engine construction, not at the first compile, on an Inductor option that does not exist."""
+    """Fail at engine construction, not at the first compile, on an Inductor option that does not exist or a
+    value of a type the option does not take (Inductor itself accepts any value and fails only when it reads
+    it)."""
     if not isinstance(options, dict):
         raise ConfigError(
             f"inductor_compile_config must be a dict of Inductor option -> value, got {options!r}"
         )
-    for name in options:
-        if not _is_inductor_option(name):
+    for name, value in options.items():
+        entry = _inductor_option(name)
+        if entry is None:
             raise ConfigError(
                 f"inductor_compile_config: {name!r} is not an option of torch._inductor.config "
                 "(nested options are dotted, as in 'cpp.threads')"
+            )
+        value_type = getattr(entry, "value_type", None)
+        if value_type is None and entry.default is not None:
+            value_type = type(entry.default)
+        if value_type is not None and not _fits_type(value, value_type):
+            expected = value_type.__name__ if isinstance(value_type, type) else str(value_type)
+            raise ConfigError(
+                f"inductor_compile_config: {name!r} takes a value of type {expected}, got {value!r}"
             )
 
 

@@ -18,7 +18,7 @@ from strata import LLM, SamplingParams
 from strata.compilation import backend
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.compilation.passes import traced_value
-from strata.config import ConfigError
+from strata.config import CompilationConfig, ConfigError
 from strata.worker.model_runner import ModelOutput
 
 pytestmark = pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
@@ -376,11 +376,29 @@ def test_inductor_options_reach_every_piece(
         ({"cpp.no_such_option": 1}, r"'cpp.no_such_option' is not an option of torch\._inductor\.config"),
         ({"no_such_option": 1}, "'no_such_option' is not an option"),
         ({"cpp.": 1}, "is not an option"),
+        ({"cpp": 1}, "'cpp' is not an option"),  # a group of options, not one
         ([("cpp.threads", 1)], "must be a dict"),
+        ({"cpp.threads": "2"}, "'cpp.threads' takes a value of type int, got '2'"),
+        ({"cpp.threads": True}, "takes a value of type int"),
+        ({"size_asserts": 1}, "'size_asserts' takes a value of type bool"),
+        ({"cpp.simdlen": 8.0}, r"'cpp.simdlen' takes a value of type int \| None"),
     ],
 )
-def test_unknown_inductor_options_are_refused_at_construction(
+def test_wrong_inductor_options_are_refused_at_construction(
     bundled_model_dir: Path, options: Any, message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         LLM(str(bundled_model_dir), compile=True, compilation_config={"inductor_compile_config": options})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cpp.simdlen": None},
+        {"cpp.simdlen": 8},
+        {"cpp.cxx": (None, "g++")},
+        {"max_autotune_gemm_backends": "ATEN"},
+    ],
+)
+def test_inductor_option_values_of_the_declared_type_are_accepted(options: dict[str, Any]) -> None:
+    assert CompilationConfig(inductor_compile_config=options).inductor_compile_config == options
