@@ -348,6 +348,29 @@ def _piece_sources(llm: LLM) -> list[str]:
     return [Path(code.__globals__["__file__"]).read_text() for code in codes]
 
 
+def test_after_the_first_step_the_graph_is_called_without_dynamos_code(
+    runs: Callable[..., dict[str, Any]], bundled_model_dir: Path
+) -> None:
+    """With guards checked once (the default), later steps call the split graph with an argument list built
+    at the first step (`DirectForward`), not through the trace's Dynamo code, and compute what it does: the
+    same tokens and logits as the engine that checks guards every step (and so always calls the trace)."""
+    llm = LLM(str(bundled_model_dir), skip_tokenizer_init=True, compile=True)
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None
+    _run(llm)
+    assert compiled._direct is not None
+    trace_calls = []
+    trace = compiled._trace
+    compiled._trace = lambda *args: trace_calls.append(args) or trace(*args)
+    tokens, logits = _run(llm)
+    assert trace_calls == []
+    reference = runs(("bundled", "default", True, True, "model"))
+    assert tokens == reference["tokens"]
+    # The reference engine's record goes on with other tests' steps: its first steps are the ones to match.
+    for direct, through_dynamo in zip(logits, reference["logits"][: len(logits)], strict=True):
+        torch.testing.assert_close(direct, through_dynamo, rtol=0, atol=1e-5)
+
+
 def test_inductor_options_reach_every_piece(
     runs: Callable[..., dict[str, Any]], bundled_model_dir: Path, threads: Callable[[int], None]
 ) -> None:

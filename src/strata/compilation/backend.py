@@ -416,7 +416,11 @@ class CompiledGraph(SerializableCallable):
         self.runtime = fx.GraphModule(children, split.graph)
 
     def __call__(self, *args: Any) -> Any:
-        return self.runtime(*args)
+        if _recorder is not None:
+            return _recorder.record(self, args)
+        # The generated code itself: `nn.Module.__call__` and the GraphModule's traceback wrapper cost 10-20
+        # us a step with the caches cold, and there are no hooks to run.
+        return self.runtime.forward(*args)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: CompiledGraph) -> bytes:
@@ -449,6 +453,51 @@ class CompiledGraph(SerializableCallable):
             setattr(split, name, _CompiledPiece(backend.load_piece(key)))
         split.recompile()
         return cls(split, state["keys"])
+
+
+@dataclass
+class GraphCall:
+    """One call of a `CompiledGraph`: its arguments and, where it ran, its outputs."""
+
+    graph: CompiledGraph
+    args: tuple[Any, ...]
+    outputs: Any = None
+
+
+class GraphCallSkipped(Exception):
+    """Raised from a `CompiledGraph` call that a `GraphCallRecorder(run=False)` recorded and did not run."""
+
+
+class GraphCallRecorder:
+    """Within `with GraphCallRecorder(run):`, every `CompiledGraph` call is recorded (`calls`). With
+    `run=False` it is not run but abandoned with `GraphCallSkipped`: the caller learns the arguments Dynamo's
+    code built for the graph without running the forward."""
+
+    def __init__(self, run: bool) -> None:
+        self.run = run
+        self.calls: list[GraphCall] = []
+        self._outer: GraphCallRecorder | None = None
+
+    def __enter__(self) -> GraphCallRecorder:
+        global _recorder
+        self._outer, _recorder = _recorder, self
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _recorder
+        _recorder = self._outer
+
+    def record(self, graph: CompiledGraph, args: tuple[Any, ...]) -> Any:
+        call = GraphCall(graph, args)
+        self.calls.append(call)
+        if not self.run:
+            raise GraphCallSkipped
+        call.outputs = graph.runtime.forward(*args)
+        return call.outputs
+
+
+# The recorder in effect, if any (`GraphCallRecorder`).
+_recorder: GraphCallRecorder | None = None
 
 
 def _drop_trace_metadata(graph: fx.Graph) -> None:

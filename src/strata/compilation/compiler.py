@@ -7,7 +7,8 @@ import json
 import logging
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,15 @@ from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from strata import __version__, envs
-from strata.compilation.backend import INDUCTOR_OPTIONS, CompileStats, StrataBackend, _save_atomically
+from strata.compilation.backend import (
+    INDUCTOR_OPTIONS,
+    CompiledGraph,
+    CompileStats,
+    GraphCallRecorder,
+    GraphCallSkipped,
+    StrataBackend,
+    _save_atomically,
+)
 from strata.compilation.layer_name import LayerName
 from strata.compilation.passes import PassManager, build_passes
 from strata.config import FUSION_PASSES, ConfigError, EngineConfig
@@ -210,6 +219,114 @@ class _LayerCall(ProcessLocal):
         return self.trace(self.layer, hidden_states, args, kwargs)
 
 
+@dataclass
+class DirectForward:
+    """The traced forward's split graph called with an argument list built here instead of by Dynamo.
+
+    Each call of a trace first runs Dynamo's prologue: it fetches every parameter and layer name through the
+    module tree (about 270 attribute chains for a 30-layer model) and the sizes the graph takes. After the
+    first step none of that changes but the three inputs and their sizes, so the list is built once
+    (`template`) and only those are put in (`inputs`: argument position, which input, and its dimension, or
+    None for the tensor itself). 108 us a step of stories15M's at batch 1 went there, with cold caches.
+    """
+
+    graph: CompiledGraph
+    template: list[Any]
+    inputs: list[tuple[int, int, int | None]]
+    output: int  # which output of the graph the forward returns
+
+    def arguments(self, inputs: Sequence[torch.Tensor]) -> list[Any]:
+        args = self.template.copy()
+        for position, which, dim in self.inputs:
+            args[position] = inputs[which] if dim is None else inputs[which].shape[dim]
+        return args
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.graph(*self.arguments(inputs))[self.output]
+
+
+def _probe_inputs(inputs: Sequence[torch.Tensor], sizes: Iterator[int]) -> tuple[torch.Tensor, ...]:
+    """Zero tensors like `inputs` (dtype, device, number of dimensions), each dimension sized by `sizes`."""
+    return tuple(
+        torch.zeros([next(sizes) for _ in tensor.shape], dtype=tensor.dtype, device=tensor.device)
+        for tensor in inputs
+    )
+
+
+def _argument_source(
+    values: Sequence[Any], probes: Sequence[Sequence[torch.Tensor]]
+) -> tuple[int, int | None] | None:
+    """Which probe input (and dimension, or None for the tensor) an argument's value in each probe is."""
+    for which in range(len(probes[0])):
+        if all(value is probe[which] for value, probe in zip(values, probes, strict=True)):
+            return which, None
+        for dim in range(probes[0][which].dim()):
+            if all(
+                type(value) is int and value == probe[which].shape[dim]
+                for value, probe in zip(values, probes, strict=True)
+            ):
+                return which, dim
+    return None
+
+
+def derive_direct_forward(
+    trace: Callable[..., Any], model: nn.Module, inputs: tuple[torch.Tensor, ...]
+) -> tuple[Any, DirectForward | None]:
+    """Run `trace(model, *inputs)` and learn how to call its graph directly: returns the forward's result and
+    the `DirectForward`, or None where that is not sure to hold.
+
+    It asks the trace's prologue for the graph's arguments twice with probe inputs whose every dimension has a
+    size of its own (the graph is not run), so each argument shows what it is: one of the inputs, one of
+    their sizes, or an object that is the same both times (a parameter, a layer name, a constant). Then the
+    real call is recorded, and the list built from that reading must be the very list the prologue built,
+    and the forward's result one of the graph's outputs.
+    """
+    # Every dimension its own size, and the second probe's sizes 2 * s + 1 of the first's: no size of one
+    # dimension is another's plus or times a constant in both probes.
+    first_sizes = [37 + 4 * index for index in range(sum(tensor.dim() for tensor in inputs))]
+    probes = [
+        _probe_inputs(inputs, iter(first_sizes)),
+        _probe_inputs(inputs, iter(2 * size + 1 for size in first_sizes)),
+    ]
+    recorded = []
+    for probe in probes:
+        with GraphCallRecorder(run=False) as recorder:
+            try:
+                trace(model, *probe)
+            except GraphCallSkipped:
+                pass
+            except Exception:  # the prologue refused a probe: no direct call, the real one still runs
+                recorder.calls.clear()
+        recorded.append(recorder.calls)
+    with GraphCallRecorder(run=True) as recorder:
+        result = trace(model, *inputs)
+    calls = [*recorded, recorder.calls]
+    if any(len(call) != 1 for call in calls) or len({id(call[0].graph) for call in calls}) != 1:
+        return result, None
+    (first,), (second,), (real,) = calls
+    if not len(first.args) == len(second.args) == len(real.args):
+        return result, None
+    template: list[Any] = []
+    sources = []
+    for position, values in enumerate(zip(first.args, second.args, strict=True)):
+        source = _argument_source(values, probes)
+        if source is not None:
+            sources.append((position, *source))
+        elif values[0] is not values[1] and not (type(values[0]) is int and values[0] == values[1]):
+            return result, None  # made anew by each prologue: not known here
+        template.append(None if source is not None else values[0])
+    outputs = real.outputs if isinstance(real.outputs, tuple | list) else ()
+    output = next((index for index, value in enumerate(outputs) if value is result), None)
+    if output is None:
+        return result, None
+    direct = DirectForward(real.graph, template, sources, output)
+    same = [
+        mine is theirs or (type(mine) is int and mine == theirs)
+        for mine, theirs in zip(direct.arguments(inputs), real.args, strict=True)
+    ]
+    return result, direct if all(same) else None
+
+
 class CompiledForward:
     """`model(input_ids, positions, keep) -> logits` traced by Dynamo ahead of time with Strata's backend.
 
@@ -221,6 +338,8 @@ class CompiledForward:
     layer's first call. After that nothing a guard checks can change (the token count is unbacked, the
     weights and names are fixed per engine), so evaluating them every step (about 1 ms a step for a small
     model) would only cost time; `evaluate_guards` keeps them on every call, to prove that in tests.
+    For the same reason, in mode "model" the steps after the first call the graph without the trace's Dynamo
+    code (`DirectForward`); mode "layer" still runs it for each layer.
     """
 
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
@@ -237,6 +356,8 @@ class CompiledForward:
 
         self._forward: TracedFunction | None = None
         self._trace: Any = None
+        self._direct: DirectForward | None = None
+        self._direct_tried = False
         if compilation.mode == "model":
             self._forward = traced("strata_forward", _forward)
         else:
@@ -273,4 +394,16 @@ class CompiledForward:
             # The token dim of input_ids and positions ([1, tokens]) and the kept rows (1-D) vary per step.
             args = (self.model, input_ids, positions, keep)
             self._trace = self._forward.select(args, lambda tensor: (1,) if tensor.dim() == 2 else (0,))
+        if self._direct is not None:
+            return self._direct(input_ids, positions, keep)
+        if not self._direct_tried and not self.evaluate_guards:
+            self._direct_tried = True
+            result, self._direct = derive_direct_forward(
+                self._trace, self.model, (input_ids, positions, keep)
+            )
+            if self._direct is None:
+                logger.info(
+                    "the compiled forward keeps Dynamo's calling code: its arguments could not be derived"
+                )
+            return result
         return self._trace(self.model, input_ids, positions, keep)
