@@ -54,6 +54,7 @@ def test_second_start_loads_every_piece_with_zero_inductor_compilations(
 
     misses = counters["inductor"]["fxgraph_cache_miss"]
     caplog.set_level("INFO", logger="strata.compilation")
+    caplog.clear()  # the first engine's summary too, where an earlier test left the logger at INFO
     second = _compiled_llm(tmp_path, mode)
     assert second.generate(PROMPT, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == expected
     stats = second.engine.runner.compiled.stats  # type: ignore[union-attr]
