@@ -3,6 +3,7 @@ the graph call where each argument is an input, an input's size or a fixed objec
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from strata.compilation.backend import CompiledGraph
+from strata.compilation.backend import CompiledGraph, GraphCallRecorder
 from strata.compilation.compiler import derive_direct_forward
 
 
@@ -71,3 +72,17 @@ def test_anything_else_keeps_the_trace(
     result, direct = derive_direct_forward(trace, model, inputs)
     assert direct is None
     torch.testing.assert_close(result, trace(model, *inputs))
+
+
+def test_a_recorder_sees_only_calls_in_its_own_thread(graph: CompiledGraph, model: nn.Module) -> None:
+    """The server steps engines in threads of their own: one engine learning its call must neither record nor
+    stop another's forward."""
+    ids, _, keep = _inputs(4, 1)
+    outputs: list[Any] = []
+    with GraphCallRecorder(run=False) as recorder:
+        other = threading.Thread(target=lambda: outputs.append(graph(model.weight, ids, 4, keep)))
+        other.start()
+        other.join()
+    assert recorder.calls == []
+    assert len(outputs) == 1
+    torch.testing.assert_close(outputs[0][1], keep * 2)

@@ -416,8 +416,9 @@ class CompiledGraph(SerializableCallable):
         self.runtime = fx.GraphModule(children, split.graph)
 
     def __call__(self, *args: Any) -> Any:
-        if _recorder is not None:
-            return _recorder.record(self, args)
+        recorder = _RECORDER.get()
+        if recorder is not None:
+            return recorder.record(self, args)
         # The generated code itself: `nn.Module.__call__` and the GraphModule's traceback wrapper cost 10-20
         # us a step with the caches cold, and there are no hooks to run.
         return self.runtime.forward(*args)
@@ -476,16 +477,15 @@ class GraphCallRecorder:
     def __init__(self, run: bool) -> None:
         self.run = run
         self.calls: list[GraphCall] = []
-        self._outer: GraphCallRecorder | None = None
+        self._token: contextvars.Token[GraphCallRecorder | None] | None = None
 
     def __enter__(self) -> GraphCallRecorder:
-        global _recorder
-        self._outer, _recorder = _recorder, self
+        self._token = _RECORDER.set(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        global _recorder
-        _recorder = self._outer
+        assert self._token is not None
+        _RECORDER.reset(self._token)
 
     def record(self, graph: CompiledGraph, args: tuple[Any, ...]) -> Any:
         call = GraphCall(graph, args)
@@ -496,8 +496,11 @@ class GraphCallRecorder:
         return call.outputs
 
 
-# The recorder in effect, if any (`GraphCallRecorder`).
-_recorder: GraphCallRecorder | None = None
+# The recorder in effect in this thread (a context variable: another engine's step in another thread, as the
+# server runs them, must not be recorded, let alone skipped).
+_RECORDER: contextvars.ContextVar[GraphCallRecorder | None] = contextvars.ContextVar(
+    "strata_graph_call_recorder", default=None
+)
 
 
 def _drop_trace_metadata(graph: fx.Graph) -> None:
