@@ -478,3 +478,38 @@ def test_on_device_greedy_matches_cpu_and_seeded_rows_are_batch_independent(devi
     on_cpu, on_device = run(CPU, list(range(6))), run(device, list(range(6)))
     assert on_device[0] == on_cpu[0]
     assert on_device[1] == on_device[5] == run(device, [1])[0] == run(device, [4, 2, 1])[2]
+
+
+@pytest.mark.parametrize(
+    ("params", "num_output_tokens", "plain"),
+    [
+        (SamplingParams(temperature=0), 0, True),
+        (SamplingParams(temperature=0, top_k=5, top_p=0.5, seed=3), 0, True),  # no effect on a greedy row
+        (SamplingParams(temperature=0, min_tokens=3), 3, True),
+        (SamplingParams(temperature=0, min_tokens=3), 2, False),  # EOS and stop tokens still banned
+        (SamplingParams(temperature=0.5), 0, False),
+        (SamplingParams(temperature=0, logprobs=0), 0, False),
+        (SamplingParams(temperature=0, repetition_penalty=1.1), 0, False),
+        (SamplingParams(temperature=0, frequency_penalty=0.5), 0, False),
+        (SamplingParams(temperature=0, presence_penalty=0.5), 0, False),
+    ],
+)
+def test_plain_greedy_rows_are_those_the_argmax_alone_samples(
+    params: SamplingParams, num_output_tokens: int, plain: bool
+) -> None:
+    assert sampler_module.plain_greedy(params, num_output_tokens) is plain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_what_the_sampler_samples_for_plain_greedy_rows(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 300, generator=generator)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the lower id wins
+    logits[2, 40] = float("nan")  # a NaN row: its first NaN, as ATen's argmax
+    logits = logits.to(dtype)
+    params = [SamplingParams(temperature=0, min_tokens=1)] * 5
+    metadata = build(params, 300, outputs=[[1]] * 5, eos=[0])
+    expected = Sampler()(logits, metadata).sampled_token_ids
+    for sampler in (Sampler(), Sampler(cpu_kernel=True)):
+        assert sampler.greedy(logits) == expected
+    assert expected[1] == 7 and expected[2] == 40

@@ -22,7 +22,14 @@ from strata.engine.detokenizer import IncrementalDetokenizer
 from strata.engine.scheduler import ScheduledSequence, Scheduler
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
-from strata.sample import Sampler, SamplingMetadata, SamplingRow, TokenLogprobs, compute_prompt_logprobs
+from strata.sample import (
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    TokenLogprobs,
+    compute_prompt_logprobs,
+    plain_greedy,
+)
 from strata.sampling_params import SamplingParams
 from strata.worker.model_runner import ModelOutput, ModelRunner
 
@@ -215,6 +222,9 @@ class LLMEngine:
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         if not sampling:
             return [], []
+        logits = model_output.sampled_logits()
+        if all(plain_greedy(item.seq.params, item.seq.num_output_tokens) for item in sampling):
+            return self.sampler.greedy(logits), [None] * len(sampling)
         rows = [
             SamplingRow(
                 item.seq.params,
@@ -224,7 +234,6 @@ class LLMEngine:
             )
             for item in sampling
         ]
-        logits = model_output.sampled_logits()
         metadata = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device)
         result = self.sampler(logits, metadata)
         return result.sampled_token_ids, result.logprobs

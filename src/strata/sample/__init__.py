@@ -1,7 +1,7 @@
 """Batched token sampling: per-step metadata, the sampler, and prompt logprobs."""
 
 from strata.sample.metadata import SamplingMetadata, SamplingRow
-from strata.sample.sampler import Sampler, SamplerOutput, TokenLogprobs, compute_prompt_logprobs
+from strata.sample.sampler import Sampler, SamplerOutput, TokenLogprobs, compute_prompt_logprobs, plain_greedy
 
 __all__ = [
     "Sampler",
@@ -10,4 +10,5 @@ __all__ = [
     "SamplingRow",
     "TokenLogprobs",
     "compute_prompt_logprobs",
+    "plain_greedy",
 ]

@@ -15,6 +15,7 @@ import torch
 
 from strata.layers import cpu_kernels
 from strata.sample.metadata import SamplingMetadata
+from strata.sampling_params import SAMPLING_EPS, SamplingParams
 
 # Rows per log_softmax chunk in compute_prompt_logprobs are sized to keep this many float32 elements.
 _PROMPT_LOGPROBS_CHUNK_ELEMENTS = 1 << 25
@@ -57,6 +58,11 @@ class Sampler:
         if self.cpu_argmax and values.device.type == "cpu" and values.dtype == torch.float32:
             return torch.ops.strata_cpu.argmax_rows(values)
         return values.argmax(dim=-1)
+
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax: what `__call__` samples for rows that are all `plain_greedy`, without building
+        their metadata (about 60 us of a 4 ms batch-1 step in place, stories15M shape)."""
+        return self._argmax(logits).tolist()
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample from `logits` [B, V]; columns at or past `metadata.vocab_size` are padding and ignored."""
@@ -127,6 +133,19 @@ class Sampler:
             noise[row].uniform_(generator=generator)
         # A backend whose uniform_ can return exactly 1 would give q = 0 and a NaN argmax winner.
         return noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row's next token is the argmax of its logits and all it needs: greedy, no logprobs, no
+    penalties, and past `min_tokens` (before it, EOS and stop tokens are banned)."""
+    return (
+        params.temperature < SAMPLING_EPS
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and num_output_tokens >= params.min_tokens
+    )
 
 
 def _modifies_logits(metadata: SamplingMetadata) -> bool:
