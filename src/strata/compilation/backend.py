@@ -419,8 +419,11 @@ class CompiledGraph(SerializableCallable):
         recorder = _RECORDER.get()
         if recorder is not None:
             return recorder.record(self, args)
-        # The generated code itself: `nn.Module.__call__` and the GraphModule's traceback wrapper cost 10-20
-        # us a step with the caches cold, and there are no hooks to run.
+        return self.run(args)
+
+    def run(self, args: Sequence[Any]) -> Any:
+        """The split graph's generated code on `args`: `nn.Module.__call__` and the GraphModule's traceback
+        wrapper cost 10-20 us a step with the caches cold, and there are no hooks to run."""
         return self.runtime.forward(*args)
 
     @classmethod
@@ -492,7 +495,7 @@ class GraphCallRecorder:
         self.calls.append(call)
         if not self.run:
             raise GraphCallSkipped
-        call.outputs = graph.runtime.forward(*args)
+        call.outputs = graph.run(args)
         return call.outputs
 
 

@@ -269,6 +269,11 @@ def _argument_source(
     return None
 
 
+def _same_value(a: Any, b: Any) -> bool:
+    """The same object, or equal ints (a prologue may build an int anew each call)."""
+    return a is b or (type(a) is int and a == b)
+
+
 def derive_direct_forward(
     trace: Callable[..., Any], model: nn.Module, inputs: tuple[torch.Tensor, ...]
 ) -> tuple[Any, DirectForward | None]:
@@ -312,7 +317,7 @@ def derive_direct_forward(
         source = _argument_source(values, probes)
         if source is not None:
             sources.append((position, *source))
-        elif values[0] is not values[1] and not (type(values[0]) is int and values[0] == values[1]):
+        elif not _same_value(*values):
             return result, None  # made anew by each prologue: not known here
         template.append(None if source is not None else values[0])
     outputs = real.outputs if isinstance(real.outputs, tuple | list) else ()
@@ -320,11 +325,8 @@ def derive_direct_forward(
     if output is None:
         return result, None
     direct = DirectForward(real.graph, template, sources, output)
-    same = [
-        mine is theirs or (type(mine) is int and mine == theirs)
-        for mine, theirs in zip(direct.arguments(inputs), real.args, strict=True)
-    ]
-    return result, direct if all(same) else None
+    same = all(map(_same_value, direct.arguments(inputs), real.args))
+    return result, direct if same else None
 
 
 class CompiledForward:
