@@ -144,7 +144,7 @@ Generate = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
 EngineFactory = Callable[[Path, Limits], Generate]
 
 
-def strata_engine(
+def strata_llm(
     folder: Path,
     limits: Limits,
     layer_impl: str = "default",
@@ -152,7 +152,7 @@ def strata_engine(
     compile_mode: str = "model",
     dtype: str = "float32",
     quantization: str | None = None,
-) -> Generate:
+) -> Any:
     """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
 
     With `compile` the forward is compiled when the engine is built (a one-token warm-up), so timed runs
@@ -175,6 +175,14 @@ def strata_engine(
     )
     if compile:
         llm.generate({"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    return llm
+
+
+def strata_engine(folder: Path, limits: Limits, **variant: Any) -> Generate:
+    """`strata_llm(folder, limits, **variant)` generating greedily through `LLM.generate`."""
+    from strata import SamplingParams
+
+    llm = strata_llm(folder, limits, **variant)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -276,19 +284,23 @@ def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
     return generate
 
 
+# Strata's variants: the keyword arguments of `strata_llm` each one is built with.
+STRATA_VARIANTS: dict[str, dict[str, Any]] = {
+    "strata": {},
+    "strata-hw-agnostic": {"layer_impl": "hw-agnostic"},
+    "strata-compiled": {"compile": True},
+    "strata-compiled-layer": {"compile": True, "compile_mode": "layer"},
+    "strata-hw-agnostic-compiled": {"layer_impl": "hw-agnostic", "compile": True},
+    "strata-bf16": {"dtype": "bfloat16"},
+    "strata-bf16-compiled": {"dtype": "bfloat16", "compile": True},
+    "strata-int8": {"quantization": "int8"},
+    "strata-int8-compiled": {"quantization": "int8", "compile": True},
+}
 ENGINES: dict[str, EngineFactory] = {
-    "strata": strata_engine,
+    **{name: functools.partial(strata_engine, **variant) for name, variant in STRATA_VARIANTS.items()},
     BASELINE: transformers_engine,
     LLAMA_CPP: llama_cpp_engine,
-    "strata-hw-agnostic": functools.partial(strata_engine, layer_impl="hw-agnostic"),
-    "strata-compiled": functools.partial(strata_engine, compile=True),
-    "strata-compiled-layer": functools.partial(strata_engine, compile=True, compile_mode="layer"),
-    "strata-hw-agnostic-compiled": functools.partial(strata_engine, layer_impl="hw-agnostic", compile=True),
     "strata-example-plugin": strata_example_plugin_engine,
-    "strata-bf16": functools.partial(strata_engine, dtype="bfloat16"),
-    "strata-bf16-compiled": functools.partial(strata_engine, dtype="bfloat16", compile=True),
-    "strata-int8": functools.partial(strata_engine, quantization="int8"),
-    "strata-int8-compiled": functools.partial(strata_engine, quantization="int8", compile=True),
 }
 DEFAULT_ENGINES = ("strata", BASELINE, LLAMA_CPP)
 # Bytes per matmul weight an engine reads in a decode step (default: the folder's float32). int8's one
