@@ -213,6 +213,20 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.sampling_type is SamplingType.GREEDY
 
+    # What the sampler does to a row beyond picking its token; the sampler's metadata and its greedy
+    # shortcut (`plain_greedy`) both decide from these, so the two cannot drift apart.
+    @property
+    def penalizes_repetition(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def penalizes_output(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def bans_stop_tokens(self, num_output_tokens: int) -> bool:
+        """Before `min_tokens` outputs, EOS and `stop_token_ids` may not be sampled."""
+        return num_output_tokens < self.min_tokens
+
     def clone(self) -> SamplingParams:
         """Deep copy, so per-request tweaks (e.g. resolving max_tokens) never leak into a shared object."""
         return copy.deepcopy(self)

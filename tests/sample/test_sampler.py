@@ -498,6 +498,13 @@ def test_plain_greedy_rows_are_those_the_argmax_alone_samples(
     params: SamplingParams, num_output_tokens: int, plain: bool
 ) -> None:
     assert sampler_module.plain_greedy(params, num_output_tokens) is plain
+    # The sampler's own metadata agrees: a plain row is greedy and gets no ban, penalty or logprobs.
+    generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    metadata = build([params], 50, [[5, 6]], [[7] * num_output_tokens], [generator], eos=[0])
+    stages = (metadata.min_tokens_ban, metadata.repetition_ids, metadata.output_penalty_ids)
+    assert (
+        metadata.all_greedy and all(stage is None for stage in stages) and metadata.num_logprobs == [None]
+    ) is plain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

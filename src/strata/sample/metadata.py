@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.sampling_params import SAMPLING_EPS, SamplingParams
+from strata.sampling_params import SamplingParams
 
 
 @dataclass
@@ -103,7 +103,7 @@ class SamplingMetadata:
             p = row.params
             if p.seed is not None and row.generator is None:
                 raise ValueError(f"rows[{i}] has params.seed={p.seed} but no generator")
-            is_greedy = p.temperature < SAMPLING_EPS
+            is_greedy = p.is_greedy
             greedy.append(is_greedy)
             temperatures.append(1.0 if is_greedy else p.temperature)
             top_ks.append(p.top_k if 0 < p.top_k < vocab_size else vocab_size)
@@ -115,12 +115,12 @@ class SamplingMetadata:
             repetition.append(p.repetition_penalty)
             frequency.append(p.frequency_penalty)
             presence.append(p.presence_penalty)
-            if p.repetition_penalty != 1.0:
+            if p.penalizes_repetition:
                 repetition_rows.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            if p.penalizes_output:
                 frequency_rows.append(i)
 
-            if len(row.output_token_ids) < p.min_tokens:
+            if p.bans_stop_tokens(len(row.output_token_ids)):
                 banned = set(eos)
                 banned.update(t for t in p.stop_token_ids if t < vocab_size)
                 ban_rows.extend([i] * len(banned))

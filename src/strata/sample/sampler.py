@@ -15,7 +15,7 @@ import torch
 
 from strata.layers import cpu_kernels
 from strata.sample.metadata import SamplingMetadata
-from strata.sampling_params import SAMPLING_EPS, SamplingParams
+from strata.sampling_params import SamplingParams
 
 # Rows per log_softmax chunk in compute_prompt_logprobs are sized to keep this many float32 elements.
 _PROMPT_LOGPROBS_CHUNK_ELEMENTS = 1 << 25
@@ -139,12 +139,11 @@ def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a row's next token is the argmax of its logits and all it needs: greedy, no logprobs, no
     penalties, and past `min_tokens` (before it, EOS and stop tokens are banned)."""
     return (
-        params.temperature < SAMPLING_EPS
+        params.is_greedy
         and params.logprobs is None
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and num_output_tokens >= params.min_tokens
+        and not params.penalizes_repetition
+        and not params.penalizes_output
+        and not params.bans_stop_tokens(num_output_tokens)
     )
 
 
