@@ -84,3 +84,38 @@ def test_prefix_caching_hits_and_equals_uncached(folder: Path) -> None:
     outputs = cached.generate(prompts[2:], GREEDY, use_tqdm=False)
     assert outputs[0].num_cached_tokens == 48  # the whole prompt minus its last partial block is cached now
     assert outputs[0].outputs[0].token_ids == expected[2]
+
+
+def test_final_output_only_requests_are_reported_once_and_alike(folder: Path, alone: list[list[int]]) -> None:
+    """A request added with `final_output_only` (as `LLM.generate` adds them) appears in no step's outputs
+    until the step that finishes it, and then exactly as a request reported every step ends; both kinds
+    batch together."""
+    llm = LLM(str(folder), skip_tokenizer_init=True, enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, n=2)
+    prompts = _prompts(16)[:4]
+    final_ids = [engine.add_request(p, params, final_output_only=True).request_id for p in prompts[:2]]
+    every_ids = [engine.add_request(p, params).request_id for p in prompts[2:]]
+    seen: dict[str, list] = {request_id: [] for request_id in final_ids + every_ids}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    for request_id in final_ids:
+        (only,) = seen[request_id]
+        assert only.finished
+    for request_id in every_ids:
+        assert len(seen[request_id]) == 24 and seen[request_id][-1].finished
+        assert not any(output.finished for output in seen[request_id][:-1])
+    # The same prompts reported the other way round give the same final outputs.
+    again = LLM(str(folder), skip_tokenizer_init=True, enable_prefix_caching=False).engine
+    swapped = {
+        again.add_request(p, params, final_output_only=i >= 2).request_id: i for i, p in enumerate(prompts)
+    }
+    finals = {}
+    while again.has_unfinished_requests():
+        finals.update({swapped[o.request_id]: o for o in again.step() if o.finished})
+    ordered = [seen[request_id][-1] for request_id in final_ids + every_ids]
+    for index, output in enumerate(ordered):
+        assert [c.token_ids for c in output.outputs] == [c.token_ids for c in finals[index].outputs]
+        assert [c.logprobs for c in output.outputs] == [c.logprobs for c in finals[index].outputs]
+    assert [output.outputs[0].token_ids for output in ordered] == alone[:4]

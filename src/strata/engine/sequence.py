@@ -118,8 +118,11 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        final_output_only: bool = False,
     ) -> None:
         self.request_id = request_id
+        # Whether the engine reports this request only once it has finished, not after every step.
+        self.final_output_only = final_output_only
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params

@@ -152,7 +152,7 @@ class LLM:
         request_ids = []
         for (text, ids), params in zip(tokenized, params_list, strict=True):
             prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
-            request_ids.append(self.engine.add_request(prompt, params).request_id)
+            request_ids.append(self.engine.add_request(prompt, params, final_output_only=True).request_id)
         return self._run(request_ids, use_tqdm)
 
     def chat(
