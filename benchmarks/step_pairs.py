@@ -267,11 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         **summarize(seconds, tokens),
     }
     text = json.dumps(report, indent=2)
-    print(text)
-    print()
-    print(format_table(report))
     if args.json_out is not None:
         args.json_out.write_text(text + "\n")
+    print(f"{text}\n\n{format_table(report)}")
     return 0
 
 

@@ -63,7 +63,8 @@ constexpr int64_t kMinWorkPerThread = 128 * 1024;
 // and a far software prefetch only takes the miss buffers the demand loads need. A short distance keeps
 // what is in cache fast without that: on an AVX2 Zen 3 EPYC (2 threads), 512 bytes against 8 KiB made a
 // SmolLM-135M decode step 7% faster (steps alternated in one engine, 86-89% of 190 pairs) and
-// stories15M's, whose layers stay in L3, 1% (8 KiB stays best for 2 to 8 rows and for bf16 there).
+// stories15M's, whose layers stay in L3, 1%. With the kernel alone, 8 KiB stays faster for bf16 and for 4
+// and 8 rows of float32 there; 2 rows of float32 read 4.5% faster at 512 bytes (not tried in an engine).
 template <int MB, typename W>
 constexpr int kPrefetchBytes = MB == 1 && std::is_same_v<W, float> ? 512 : 8192;
 
