@@ -59,14 +59,14 @@ constexpr int64_t kMinWorkPerThread = 128 * 1024;
 // Weights are prefetched this far ahead of the loads, in the matrix's memory order: the hardware
 // prefetchers alone leave bf16 and int8 rows (fewer bytes per instruction) 15-30% short of the
 // bandwidth (measured on Zen 5; prefetching past the matrix's end is harmless, prefetches never fault).
-// One row of float32 x against float32 weights is the exception: there the hardware prefetchers keep up
-// and a far software prefetch only takes the miss buffers the demand loads need. A short distance keeps
-// what is in cache fast without that: on an AVX2 Zen 3 EPYC (2 threads), 512 bytes against 8 KiB made a
-// SmolLM-135M decode step 7% faster (steps alternated in one engine, 86-89% of 190 pairs) and
-// stories15M's, whose layers stay in L3, 1%. With the kernel alone, 8 KiB stays faster for bf16 and for 4
-// and 8 rows of float32 there; 2 rows of float32 read 4.5% faster at 512 bytes (not tried in an engine).
+// One or two rows of float32 x against float32 weights are the exception: there the hardware prefetchers
+// keep up and a far software prefetch only takes the miss buffers the demand loads need. A short distance
+// keeps what is in cache fast without that. On an AVX2 Zen 3 EPYC (2 threads), 512 bytes against 8 KiB,
+// steps alternated in one engine: SmolLM-135M one row 5-7% faster (77-89% of 190-254 pairs), two rows
+// 4-5% (77-78%); stories15M, whose layers stay in L3, 1% and 3%. With the kernel alone, 8 KiB stays
+// faster for bf16 and for 4 and 8 rows of float32 there.
 template <int MB, typename W>
-constexpr int kPrefetchBytes = MB == 1 && std::is_same_v<W, float> ? 512 : 8192;
+constexpr int kPrefetchBytes = MB <= 2 && std::is_same_v<W, float> ? 512 : 8192;
 
 // Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
 // tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency and, with the
