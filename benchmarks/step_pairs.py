@@ -54,12 +54,15 @@ class StrataStepper:
         from strata import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-        self.engine.add_request({"prompt_token_ids": prompt}, params)
+        # Final-only, as `LLM.generate` adds requests: its steps build no output objects.
+        self.sequence = self.engine.add_request(
+            {"prompt_token_ids": prompt}, params, final_output_only=True
+        ).seqs[0]
         return self.step()
 
     def step(self) -> int:
-        (output,) = self.engine.step()
-        return output.outputs[0].token_ids[-1]
+        self.engine.step()
+        return self.sequence.token_ids[-1]
 
 
 class TransformersStepper:
