@@ -67,12 +67,7 @@ class StrataStepper:
 
 class TransformersStepper:
     def __init__(self, folder: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="sdpa"
-        )
-        self.model.eval()
+        self.model = throughput.transformers_model(folder)
         # transformers 5.25 renamed the forward's `past_key_values` to `cache` (the old name warns).
         parameters = inspect.signature(self.model.forward).parameters
         self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
@@ -96,27 +91,13 @@ class TransformersStepper:
 
 class LlamaCppStepper:
     def __init__(self, folder: Path, limits: Limits) -> None:
-        import llama_cpp
-
-        threads = torch.get_num_threads()
-        self.llm = llama_cpp.Llama(
-            model_path=str(throughput.ensure_gguf(folder)),
-            n_ctx=limits.max_len,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=limits.max_len,
-            logits_all=False,
-            verbose=False,
-        )
+        self.llm = throughput.llama_cpp_model(folder, limits)
         self.stream: Any = None
 
     def start(self, prompt: list[int], new_tokens: int) -> int:
         if self.stream is not None:
             self.stream.close()
-        self.llm.reset()
-        self.stream = self.llm.generate(
-            prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-        )
+        self.stream = throughput.llama_cpp_greedy(self.llm, prompt)
         return self.step()
 
     def step(self) -> int:

@@ -63,7 +63,7 @@ import statistics
 import struct
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -195,10 +195,15 @@ def strata_engine(folder: Path, limits: Limits, **variant: Any) -> Generate:
     return generate
 
 
+def transformers_model(folder: Path) -> Any:
+    """The folder's model in transformers, float32 with SDPA attention, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
 def transformers_engine(folder: Path, limits: Limits) -> Generate:
     """transformers' own `generate` with SDPA attention: what a user of the library gets out of the box."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
+    model = transformers_model(folder)
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         input_ids = torch.tensor(prompts, dtype=torch.int64)
@@ -244,16 +249,13 @@ def llama_cpp_unavailable() -> str | None:
     return None
 
 
-def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
-    """llama.cpp through llama-cpp-python on an F32 GGUF of the same weights, greedy from token ids.
-
-    One `Llama` holds one sequence: a batch of prompts is generated one prompt after another."""
+def llama_cpp_model(folder: Path, limits: Limits) -> Any:
+    """llama-cpp-python's `Llama` on the folder's F32 GGUF, with torch's thread count; one sequence."""
     import llama_cpp
 
-    gguf_path = ensure_gguf(folder)
     threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(
-        model_path=str(gguf_path),
+    return llama_cpp.Llama(
+        model_path=str(ensure_gguf(folder)),
         n_ctx=limits.max_len,
         n_threads=threads,
         n_threads_batch=threads,
@@ -262,16 +264,26 @@ def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
         verbose=False,
     )
 
+
+def llama_cpp_greedy(llm: Any, prompt: list[int]) -> Iterator[int]:
+    """The tokens `llm` generates greedily after `prompt`, from an empty cache (no reuse of the previous
+    prompt's: every prompt is processed in full). Close the generator when done with it."""
+    llm.reset()
+    return llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+
+
+def llama_cpp_engine(folder: Path, limits: Limits) -> Generate:
+    """llama.cpp through llama-cpp-python on an F32 GGUF of the same weights, greedy from token ids.
+
+    One `Llama` holds one sequence: a batch of prompts is generated one prompt after another."""
+    llm = llama_cpp_model(folder, limits)
+
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         outputs: list[list[int]] = []
         start = time.perf_counter()
         for prompt in prompts:
-            # No reuse of the previous prompt's cache: every prompt is processed in full.
-            llm.reset()
             tokens: list[int] = []
-            stream = llm.generate(
-                prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-            )
+            stream = llama_cpp_greedy(llm, prompt)
             for token in stream:
                 tokens.append(int(token))
                 if len(tokens) == new_tokens:
