@@ -56,18 +56,6 @@ using strata_kernels::to_registers;
 // costs more than it saves (measured on a 2-core Zen 5: a 288x288 int8 layer at M = 1 runs faster on one).
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
 
-// Weights are prefetched this far ahead of the loads, in the matrix's memory order: the hardware
-// prefetchers alone leave bf16 and int8 rows (fewer bytes per instruction) 15-30% short of the
-// bandwidth (measured on Zen 5; prefetching past the matrix's end is harmless, prefetches never fault).
-// One or two rows of float32 x against float32 weights are the exception: there the hardware prefetchers
-// keep up and a far software prefetch only takes the miss buffers the demand loads need. A short distance
-// keeps what is in cache fast without that. On an AVX2 Zen 3 EPYC (2 threads), 512 bytes against 8 KiB,
-// steps alternated in one engine: SmolLM-135M one row 5-7% faster (77-89% of 190-254 pairs), two rows
-// 4-5% (77-78%); stories15M, whose layers stay in L3, 1% and 3%. With the kernel alone, 8 KiB stays
-// faster for bf16 and for 4 and 8 rows of float32 there.
-template <int MB, typename W>
-constexpr int kPrefetchBytes = MB <= 2 && std::is_same_v<W, float> ? 512 : 8192;
-
 // Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
 // tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency and, with the
 // weight tiles, fit the 32 AVX-512 registers. Up to 4 rows of x one weight row at a time reads fastest
@@ -82,6 +70,24 @@ struct Blocking {
   static constexpr int KU = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
 };
 
+// How far ahead of the loads (bytes, in the matrix's memory order) the weights are prefetched in software;
+// 0: not at all. Where the hardware prefetchers keep up with the stream, a software prefetch only takes
+// the miss buffers the demand loads need; a far one also fetches past short row ranges. Measured with
+// decode steps alternated in one compiled engine (SmolLM-135M shape, 2 threads), kernels switched per step:
+// - AVX-512 (Zen 4 EPYC): one weight row at a time (RB = 1) of float32 or bf16 reads fastest with none:
+//   float32 3-4% faster than 512 bytes at 1 and 2 rows of x and 10% faster than 8 KiB at 4 rows; bf16 21%
+//   faster than 8 KiB at one row, 2% at 4. Two interleaved weight rows (RB = 2, 5-8 rows of x) want 8 KiB
+//   (float32: none 13-17% slower at 6 and 8 rows), and so do int8 weights (none 5-7% slower at 1 and 4
+//   rows), whose widening leaves the loads further apart.
+// - AVX2 (Zen 3 EPYC): 512 bytes for 1-2 rows of float32 (5-7% faster than 8 KiB, 2% than none at one
+//   row); 8 KiB elsewhere (kernel alone: 7% faster at 4 rows of float32 and 13% at 8, 5-7% for bf16).
+// On Zen 5 bf16 and int8 once measured 15-30% short of the bandwidth without it (whole runs, older kernel).
+template <int MB, typename W>
+constexpr int kPrefetchBytes = std::is_same_v<W, int8_t> ? 8192
+                               : strata_kernels::kNativeLanes == kLanes
+                                   ? (Blocking<MB>::RB == 1 ? 0 : 8192)
+                                   : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
+
 // Tiles of the dot products of RB weight rows (`K` apart) with MB rows of x (`K` apart), as lanes to be
 // summed: out[m * kLanes + r]. Each widened weight tile serves all MB rows of x. The accumulators are
 // `RegisterTile`s and every loop over the blocking is unrolled (`STRATA_UNROLL`), so that they stay in
@@ -94,10 +100,12 @@ inline void row_dots(const float* x, const W* w, int64_t K, Vec* out) {
     Tile wv[RB][KU];
     STRATA_UNROLL
     for (int r = 0; r < RB; ++r) {
-      STRATA_UNROLL
-      for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
-        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
-                                                         kPrefetchBytes<MB, W> + p));
+      if constexpr (kPrefetchBytes<MB, W> > 0) {
+        STRATA_UNROLL
+        for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
+          __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
+                                                           kPrefetchBytes<MB, W> + p));
+      }
       STRATA_UNROLL
       for (int u = 0; u < KU; ++u) wv[r][u] = load_register_tile(w + r * K + k + u * kLanes);
     }
