@@ -260,7 +260,10 @@ inline Tile exp_nonpositive(Tile x) {
 // heads walk the sequence's keys in chunks of up to kTile keys (one chunk per block at block size 16). Each
 // chunk's MG score vectors (one lane per key, from `lane_sums`) stay in registers through the mask, soft-cap,
 // max, exp and sum; the heads' queries and outputs are register tiles held across the whole sequence, and the
-// next block's keys and values are prefetched while this one is computed.
+// next block's keys and values are prefetched into L2 while this one is computed. Into L2, not L1: a block's
+// worth of L1 prefetches at once holds the miss buffers this block's own loads need. Measured on a Zen 4
+// EPYC (2 threads, 30 layers' caches read from memory, head dim 64), against L1 prefetches: 1.09-1.50x
+// (1 to 32 sequences, 96 to 4096 tokens, 1 to 8 KV heads), where none at all was 0.83-1.37x.
 template <int MG, int DT, int DVT, typename T>
 void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
                   int64_t kv_head, const float* q, float* out, float* stats) {
@@ -299,9 +302,9 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
         const int64_t nn = std::min(bs, len - (block + 1) * bs);
         for (int64_t t = 0; t < nn; ++t) {
           for (int64_t c = 0; c < static_cast<int64_t>(DT * kTile * sizeof(T)); c += 64)
-            __builtin_prefetch(nk + t * ks * sizeof(T) + c);
+            __builtin_prefetch(nk + t * ks * sizeof(T) + c, 0, 2);
           for (int64_t c = 0; c < static_cast<int64_t>(DVT * kTile * sizeof(T)); c += 64)
-            __builtin_prefetch(nv + t * vs * sizeof(T) + c);
+            __builtin_prefetch(nv + t * vs * sizeof(T) + c, 0, 2);
         }
       }
     }
