@@ -70,23 +70,25 @@ struct Blocking {
   static constexpr int KU = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
 };
 
-// How far ahead of the loads (bytes, in the matrix's memory order) the weights are prefetched in software;
-// 0: not at all. Where the hardware prefetchers keep up with the stream, a software prefetch only takes
-// the miss buffers the demand loads need; a far one also fetches past short row ranges. Measured with
-// decode steps alternated in one compiled engine (SmolLM-135M shape, 2 threads), kernels switched per step:
-// - AVX-512 (Zen 4 EPYC): one weight row at a time (RB = 1) of float32 or bf16 reads fastest with none:
-//   float32 3-4% faster than 512 bytes at 1 and 2 rows of x and 10% faster than 8 KiB at 4 rows; bf16 21%
-//   faster than 8 KiB at one row, 2% at 4. Two interleaved weight rows (RB = 2, 5-8 rows of x) want 8 KiB
-//   (float32: none 13-17% slower at 6 and 8 rows), and so do int8 weights (none 5-7% slower at 1 and 4
-//   rows), whose widening leaves the loads further apart.
-// - AVX2 (Zen 3 EPYC): 512 bytes for 1-2 rows of float32 (5-7% faster than 8 KiB, 2% than none at one
-//   row); 8 KiB elsewhere (kernel alone: 7% faster at 4 rows of float32 and 13% at 8, 5-7% for bf16).
-// On Zen 5 bf16 and int8 once measured 15-30% short of the bandwidth without it (whole runs, older kernel).
+// How far ahead of the loads (bytes, in the matrix's memory order) the weights are prefetched in software,
+// and into which cache level (`__builtin_prefetch` locality: 3 for L1, 2 for L2); 0 bytes: not at all.
+// Where the hardware prefetchers keep up with the stream, a software prefetch only takes the miss buffers
+// the demand loads need, and one into L1 holds them longest. Measured with decode steps alternated in one
+// compiled engine (SmolLM-135M shape, 2 threads), the kernel's settings switched per step:
+// - AVX-512 (Zen 4 EPYC): float32 and bf16 weights against 1 or 2 rows of x read fastest with none
+//   (float32 1.03-1.04x against 512 bytes into L1, 1.02-1.03x against 8 KiB into L2; bf16 1.21x against 8
+//   KiB into L1, 1.04x against L2). Everything else wants 8 KiB into L2: against 8 KiB into L1, int8 1.43x
+//   faster at one row (level at 4) and float32 1.35x at 6 rows; against none, at 4 rows, float32 1.09x and
+//   bf16 1.35x.
+// - AVX2 (Zen 3 EPYC; levels not compared there): 512 bytes into L1 for 1-2 rows of float32 (5-7% faster
+//   than 8 KiB, 2% than none at one row); 8 KiB into L1 elsewhere (kernel alone: 7% faster at 4 rows of
+//   float32 and 13% at 8, 5-7% for bf16).
+constexpr bool kWideRegisters = strata_kernels::kNativeLanes == kLanes;
+
 template <int MB, typename W>
-constexpr int kPrefetchBytes = std::is_same_v<W, int8_t> ? 8192
-                               : strata_kernels::kNativeLanes == kLanes
-                                   ? (Blocking<MB>::RB == 1 ? 0 : 8192)
-                                   : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
+constexpr int kPrefetchBytes = kWideRegisters ? (MB <= 2 && !std::is_same_v<W, int8_t> ? 0 : 8192)
+                                              : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
+constexpr int kPrefetchLocality = kWideRegisters ? 2 : 3;
 
 // Tiles of the dot products of RB weight rows (`K` apart) with MB rows of x (`K` apart), as lanes to be
 // summed: out[m * kLanes + r]. Each widened weight tile serves all MB rows of x. The accumulators are
@@ -104,7 +106,8 @@ inline void row_dots(const float* x, const W* w, int64_t K, Vec* out) {
         STRATA_UNROLL
         for (int p = 0; p < static_cast<int>(KU * kLanes * sizeof(W)); p += 64)
           __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
-                                                           kPrefetchBytes<MB, W> + p));
+                                                           kPrefetchBytes<MB, W> + p),
+                             0, kPrefetchLocality);
       }
       STRATA_UNROLL
       for (int u = 0; u < KU; ++u) wv[r][u] = load_register_tile(w + r * K + k + u * kLanes);
