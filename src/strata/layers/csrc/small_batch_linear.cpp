@@ -2,8 +2,9 @@
 //
 // ATen's fp32 GEMM reads a weight matrix at 10-15 GB/s when x has one to a few rows (a matrix-vector
 // product), well under the memory bandwidth that bounds decoding. This kernel streams each weight byte once
-// per call, in memory order and prefetched ahead, splits the weight rows across ATen's intra-op threads
-// (only for layers big enough to pay for it), and widens bf16 or int8 weights 16 at a time in registers.
+// per call, in memory order and prefetched ahead where that helps, splits the weight rows across ATen's
+// intra-op threads (only for layers big enough to pay for it), and widens bf16 or int8 weights 16 at a time
+// in registers.
 // Each dot product is summed in several independent 16-lane register tiles (so it does not wait on one
 // FMA chain), and 16 rows' tiles are reduced together; up to 8 rows of x share every widened weight tile.
 // A decode step so reads fp32, bf16 and int8 weights at close to the bandwidth limit.
@@ -71,7 +72,8 @@ struct Blocking {
 };
 
 // How far ahead of the loads (bytes, in the matrix's memory order) the weights are prefetched in software,
-// and into which cache level (`__builtin_prefetch` locality: 3 for L1, 2 for L2); 0 bytes: not at all.
+// and into which cache level (`__builtin_prefetch` locality: 3 for L1, 2 for L2); 0 bytes: not at all
+// (prefetching past a matrix's end is harmless: prefetches never fault).
 // Where the hardware prefetchers keep up with the stream, a software prefetch only takes the miss buffers
 // the demand loads need, and one into L1 holds them longest. Measured with decode steps alternated in one
 // compiled engine (SmolLM-135M shape, 2 threads), the kernel's settings switched per step:
@@ -83,6 +85,8 @@ struct Blocking {
 // - AVX2 (Zen 3 EPYC; levels not compared there): 512 bytes into L1 for 1-2 rows of float32 (5-7% faster
 //   than 8 KiB, 2% than none at one row); 8 KiB into L1 elsewhere (kernel alone: 7% faster at 4 rows of
 //   float32 and 13% at 8, 5-7% for bf16).
+// On Zen 5, whole runs once had bf16 and int8 weights 15-30% short of the bandwidth without a prefetch (into
+// L1); not measured there step by step, nor into L2.
 constexpr bool kWideRegisters = strata_kernels::kNativeLanes == kLanes;
 
 template <int MB, typename W>
