@@ -58,3 +58,17 @@ def test_sampler_tokens_are_the_same_with_and_without_the_kernel(params: Samplin
         return sampler(logits, metadata).sampled_token_ids
 
     assert sample(True) == sample(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sampler_argmax_of_half_precision_logits_follows_aten(dtype: torch.dtype) -> None:
+    """Half-precision logits are widened for the kernel: exact, so ties (common at 8 bits of mantissa) and
+    NaNs pick the index ATen's argmax picks on the original dtype."""
+    logits = torch.randn(6, 4099, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, 10] = logits[1, 2000] = 100.0  # a tie: the lower index
+    logits[2, 77] = float("nan")
+    logits[3] = -float("inf")
+    sampler = Sampler(cpu_kernel=True)
+    assert sampler.cpu_argmax
+    assert torch.equal(sampler._argmax(logits), logits.argmax(dim=-1))
+    assert sampler.greedy(logits) == logits.argmax(dim=-1).tolist()
