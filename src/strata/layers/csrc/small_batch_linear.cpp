@@ -37,6 +37,7 @@
 #include <optional>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -357,6 +358,32 @@ at::Tensor as_float_contiguous(const at::Tensor& t) {
   return t.to(at::kFloat).contiguous();
 }
 
+// x's rows as the float32 the kernels read, valid until the calling thread's next `FloatRows`: x's own
+// data when it is float32 and contiguous, a contiguous bf16 x widened into a buffer this thread reuses
+// (a bf16 model's decode step calls the kernels about 120 times, and `to(kFloat)` is an op dispatch and an
+// allocation each time), anything else through `as_float_contiguous`.
+class FloatRows {
+ public:
+  explicit FloatRows(const at::Tensor& x) {
+    if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
+      thread_local std::vector<float> widened;
+      const int64_t n = x.numel();
+      if (static_cast<int64_t>(widened.size()) < n) widened.resize(n);
+      const c10::BFloat16* source = x.data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < n; ++i) widened[i] = static_cast<float>(source[i]);
+      data_ = widened.data();
+    } else {
+      held_ = as_float_contiguous(x);
+      data_ = held_.data_ptr<float>();
+    }
+  }
+  const float* data() const { return data_; }
+
+ private:
+  at::Tensor held_;
+  const float* data_;
+};
+
 // `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has its bfloat16 path, x and the
 // int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is one)
 // and the scales multiply the product: 2-4x faster than widening the weights to float32 on every call
@@ -398,7 +425,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   }
   // Small tensors are used as they come when they already have the layout the kernel reads; only what
   // does not is converted (a bf16 x to float32, a strided weight to contiguous).
-  const at::Tensor xf = as_float_contiguous(x);
+  const FloatRows xf(x);
   const at::Tensor wc = weight.is_contiguous() ? weight : weight.contiguous();
   const at::Tensor scale_f = scale ? as_float_contiguous(*scale) : at::Tensor();
   at::Tensor bias_c;
@@ -409,7 +436,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   }
   const float* s = scale ? scale_f.data_ptr<float>() : nullptr;
   const at::Tensor* b = bias ? &bias_c : nullptr;
-  const float* xp = xf.data_ptr<float>();
+  const float* xp = xf.data();
   const auto xtype = x.scalar_type();
   if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   if (xtype == at::kBFloat16) {
@@ -417,14 +444,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     dispatch_weight(xp, wc, s, b, out.data_ptr<c10::BFloat16>(), M, N, K);
     return out;
   }
-  at::Tensor out = at::empty({M, N}, xf.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   dispatch_weight(xp, wc, s, b, out.data_ptr<float>(), M, N, K);
   return xtype == at::kFloat ? out : out.to(xtype);
 }
 
 // Each weight's outputs go to its own columns of out [M, sum of N], which starts at its first column.
-template <typename W>
-void group_kernel(const float* x, at::TensorList weights, float* out, int64_t M, int64_t K) {
+template <typename W, typename O>
+void group_kernel(const float* x, at::TensorList weights, O* out, int64_t M, int64_t K) {
   std::vector<int64_t> first_group{0};  // weight i owns row groups [first_group[i], first_group[i + 1])
   std::vector<int64_t> first_column{0};
   for (const auto& w : weights) {
@@ -463,17 +490,21 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
     for (const auto& w : weights) outs.push_back(linear(x, w, std::nullopt, std::nullopt));
     return at::cat(outs, 1);
   }
-  const at::Tensor xf = as_float_contiguous(x);
+  const FloatRows xf(x);
   const int64_t M = x.size(0), K = x.size(1);
   int64_t columns = 0;
   for (const auto& w : weights) columns += w.size(0);
-  at::Tensor out = at::empty({M, columns}, xf.options());
-  if (weights[0].scalar_type() == at::kFloat) {
-    group_kernel<float>(xf.data_ptr<float>(), weights, out.data_ptr<float>(), M, K);
+  at::Tensor out = at::empty({M, columns}, x.options());  // written in x's dtype, float32 or bfloat16
+  const bool float_weights = weights[0].scalar_type() == at::kFloat;
+  if (x.scalar_type() == at::kFloat) {
+    if (float_weights) group_kernel<float>(xf.data(), weights, out.data_ptr<float>(), M, K);
+    else group_kernel<c10::BFloat16>(xf.data(), weights, out.data_ptr<float>(), M, K);
   } else {
-    group_kernel<c10::BFloat16>(xf.data_ptr<float>(), weights, out.data_ptr<float>(), M, K);
+    auto* o = out.data_ptr<c10::BFloat16>();
+    if (float_weights) group_kernel<float>(xf.data(), weights, o, M, K);
+    else group_kernel<c10::BFloat16>(xf.data(), weights, o, M, K);
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out;
 }
 
 }  // namespace
