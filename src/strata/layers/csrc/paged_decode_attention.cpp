@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_rows.h"
 #include "float_tiles.h"
 
 #include <algorithm>
@@ -535,7 +536,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   const at::Tensor k = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
   const at::Tensor v = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
-  const at::Tensor q = query.to(at::kFloat).contiguous();
+  const strata_kernels::FloatRows q(query);
   const Shape shape{heads, kv_heads, query.size(2), v.size(3), k.size(1), k.size(0), tables.size(1),
                     {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
                     tables.stride(0), static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
@@ -550,22 +551,27 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                 " tokens");
   }
 
-  at::Tensor out = at::empty({batch, heads, shape.value_dim}, q.options());
-  float* o = out.data_ptr<float>();
+  // In query's dtype where the results can be rounded into it here, else float32 and converted.
+  const bool direct = query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                      query.scalar_type() == at::kHalf;
+  at::Tensor out = at::empty({batch, heads, shape.value_dim}, query.options().dtype(direct ? query.scalar_type()
+                                                                                          : at::kFloat));
+  const strata_kernels::FloatResults results(out);
+  float* o = results.data();
   switch (dtype) {
     case at::kFloat:
-      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, o);
       break;
     case at::kBFloat16:
-      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(),
-                       tables, lens, o);
+      decode_attention(shape, q.data(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), tables, lens,
+                       o);
       break;
     default:
-      decode_attention(shape, q.data_ptr<float>(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), tables,
-                       lens, o);
+      decode_attention(shape, q.data(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), tables, lens, o);
       break;
   }
-  return out.to(query.scalar_type());
+  results.finish();
+  return direct ? out : out.to(query.scalar_type());
 }
 
 // Copies `rows` [T, Hkv, D] (any floating dtype) into `cache` [num_blocks, block_size, Hkv, D] at the flat

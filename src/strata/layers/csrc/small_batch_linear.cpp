@@ -28,6 +28,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "float_rows.h"
 #include "float_tiles.h"
 
 #include <algorithm>
@@ -49,6 +50,8 @@ using strata_kernels::lane_sums;
 using strata_kernels::load_tile_n;
 using Vec = strata_kernels::FloatTile;
 using Tile = strata_kernels::RegisterTile;  // accumulations (see `RegisterTile`)
+using strata_kernels::as_float_contiguous;
+using strata_kernels::FloatRows;
 using strata_kernels::from_registers;
 using strata_kernels::load_register_tile;
 using strata_kernels::to_registers;
@@ -351,38 +354,6 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   }
   return onednn_linear(x, w, bias);
 }
-
-// A float32 contiguous view of t: t itself when it already is one (no copy, no dispatch).
-at::Tensor as_float_contiguous(const at::Tensor& t) {
-  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
-  return t.to(at::kFloat).contiguous();
-}
-
-// x's rows as the float32 the kernels read, valid until the calling thread's next `FloatRows`: x's own
-// data when it is float32 and contiguous, a contiguous bf16 x widened into a buffer this thread reuses
-// (a bf16 model's decode step calls the kernels about 120 times, and `to(kFloat)` is an op dispatch and an
-// allocation each time), anything else through `as_float_contiguous`.
-class FloatRows {
- public:
-  explicit FloatRows(const at::Tensor& x) {
-    if (x.scalar_type() == at::kBFloat16 && x.is_contiguous()) {
-      thread_local std::vector<float> widened;
-      const int64_t n = x.numel();
-      if (static_cast<int64_t>(widened.size()) < n) widened.resize(n);
-      const c10::BFloat16* source = x.data_ptr<c10::BFloat16>();
-      for (int64_t i = 0; i < n; ++i) widened[i] = static_cast<float>(source[i]);
-      data_ = widened.data();
-    } else {
-      held_ = as_float_contiguous(x);
-      data_ = held_.data_ptr<float>();
-    }
-  }
-  const float* data() const { return data_; }
-
- private:
-  at::Tensor held_;
-  const float* data_;
-};
 
 // `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has its bfloat16 path, x and the
 // int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is one)
