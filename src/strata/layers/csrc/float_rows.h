@@ -48,11 +48,16 @@ class FloatRows {
   const float* data_;
 };
 
-// Float32 results for `out` (float32, bfloat16 or float16, contiguous): `data()` is out's own memory when
-// it is float32, else a buffer the calling thread reuses, rounded into out by `finish()`.
+// Float32 results for `out` (contiguous, of a dtype `writes`): `data()` is out's own memory when it is
+// float32, else a buffer the calling thread reuses, rounded into out by `finish()`.
 class FloatResults {
  public:
+  static bool writes(at::ScalarType dtype) {
+    return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  }
+
   explicit FloatResults(at::Tensor& out) : out_(out) {
+    TORCH_CHECK(writes(out.scalar_type()), "FloatResults: no float32 results for ", out.scalar_type());
     if (out.scalar_type() == at::kFloat) {
       data_ = out.data_ptr<float>();
     } else {

@@ -552,8 +552,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   }
 
   // In query's dtype where the results can be rounded into it here, else float32 and converted.
-  const bool direct = query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
-                      query.scalar_type() == at::kHalf;
+  const bool direct = strata_kernels::FloatResults::writes(query.scalar_type());
   at::Tensor out = at::empty({batch, heads, shape.value_dim}, query.options().dtype(direct ? query.scalar_type()
                                                                                           : at::kFloat));
   const strata_kernels::FloatResults results(out);

@@ -466,15 +466,12 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   int64_t columns = 0;
   for (const auto& w : weights) columns += w.size(0);
   at::Tensor out = at::empty({M, columns}, x.options());  // written in x's dtype, float32 or bfloat16
-  const bool float_weights = weights[0].scalar_type() == at::kFloat;
-  if (x.scalar_type() == at::kFloat) {
-    if (float_weights) group_kernel<float>(xf.data(), weights, out.data_ptr<float>(), M, K);
-    else group_kernel<c10::BFloat16>(xf.data(), weights, out.data_ptr<float>(), M, K);
-  } else {
-    auto* o = out.data_ptr<c10::BFloat16>();
-    if (float_weights) group_kernel<float>(xf.data(), weights, o, M, K);
+  const auto run = [&](auto* o) {
+    if (weights[0].scalar_type() == at::kFloat) group_kernel<float>(xf.data(), weights, o, M, K);
     else group_kernel<c10::BFloat16>(xf.data(), weights, o, M, K);
-  }
+  };
+  if (x.scalar_type() == at::kFloat) run(out.data_ptr<float>());
+  else run(out.data_ptr<c10::BFloat16>());
   return out;
 }
 
