@@ -61,18 +61,28 @@ using strata_kernels::to_registers;
 // costs more than it saves (measured on a 2-core Zen 5: a 288x288 int8 layer at M = 1 runs faster on one).
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
 
-// Register blocking for MB rows of x: RB weight rows at once (each x tile then serves RB of them), KU
-// tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency and, with the
-// weight tiles, fit the 32 AVX-512 registers. Up to 4 rows of x one weight row at a time reads fastest
-// (the matrix is then one sequential stream); with more, sharing each x tile between two weight rows
-// saves more loads than the two interleaved streams cost (measured on Zen 5). Where a tile takes several
-// registers (AVX2: 16 registers of half a tile), 5 to 8 rows of x read one weight row at a time: two would
-// hold 10-16 tiles of sums, more than the registers (SmolLM-135M's layers, AVX2 Zen 3 EPYC, 2 threads:
-// 10-20% faster at 6 to 8 rows, about 5% at 5; fewer chains at 2 to 4 rows measured slower).
-template <int MB>
+// Whether one native vector register holds a whole 16-float tile (AVX-512), or a tile takes several (AVX2).
+constexpr bool kWideRegisters = strata_kernels::kNativeLanes == kLanes;
+
+// Register blocking for MB rows of x and weights of type W: RB weight rows at once (each x tile then serves
+// RB of them), KU tiles of each row side by side; MB * RB * KU independent FMA chains hide the FMA latency
+// and, with the weight tiles, fit the 32 AVX-512 registers. Up to 4 rows of x one weight row at a time
+// reads fastest (the matrix is then one sequential stream); with more, sharing each x tile between two
+// weight rows saves more loads than the two interleaved streams cost (measured on Zen 5). Where a tile
+// takes several registers (AVX2: 16 registers of half a tile), 5 to 8 rows of x read one weight row at a
+// time: two would hold 10-16 tiles of sums, more than the registers (SmolLM-135M's layers, AVX2 Zen 3 EPYC,
+// 2 threads: 10-20% faster at 6 to 8 rows, about 5% at 5; fewer chains at 2 to 4 rows measured slower).
+// At 1-2 rows of x an iteration reads 256 bytes of the weight row, float32 or bf16 (8 bf16 tiles where
+// registers allow): with 4 bf16 tiles (128 bytes) fewer weight lines were in flight at once, and the
+// kernel read bf16 weights at 20-27 GB/s where float32 ones reached 37-42 (Zen 4 EPYC, 2 threads,
+// SmolLM's layers from memory; 8 tiles: 1.07-1.15x at one row, 1.21-1.25x at two, 1.04x a bf16 decode
+// step in the engine; float32 with 8 tiles, 512 bytes, was 0.94x).
+template <int MB, typename W>
 struct Blocking {
-  static constexpr int RB = MB <= 4 || strata_kernels::kNativeLanes < kLanes ? 1 : 2;
-  static constexpr int KU = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  static constexpr int RB = MB <= 4 || !kWideRegisters ? 1 : 2;
+  static constexpr int KU = MB <= 2 ? (kWideRegisters && std::is_same_v<W, c10::BFloat16> ? 8 : 4)
+                            : MB <= 4 ? 2
+                                      : 1;
 };
 
 // How far ahead of the loads (bytes, in the matrix's memory order) the weights are prefetched in software,
@@ -91,8 +101,6 @@ struct Blocking {
 //   float32 and 13% at 8, 5-7% for bf16).
 // On Zen 5, whole runs once had bf16 and int8 weights 15-30% short of the bandwidth without a prefetch (into
 // L1); not measured there step by step, nor into L2.
-constexpr bool kWideRegisters = strata_kernels::kNativeLanes == kLanes;
-
 template <int MB, typename W>
 constexpr int kPrefetchBytes = kWideRegisters ? (MB <= 2 && !std::is_same_v<W, int8_t> ? 0 : 8192)
                                               : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
@@ -168,7 +176,7 @@ void small_batch_rows(const float* x, const W* w, const float* scale, const B* b
   for (int64_t g = g_begin; g < g_end; ++g) {
     const int64_t n0 = g * kLanes;
     const int64_t rows = std::min<int64_t>(kLanes, N - n0);
-    constexpr int RB = Blocking<MB>::RB, KU = Blocking<MB>::KU;
+    constexpr int RB = Blocking<MB, W>::RB, KU = Blocking<MB, W>::KU;
     int64_t i = 0;
     for (; i + RB <= rows; i += RB) row_dots<MB, RB, KU>(x, w + (n0 + i) * K, K, &tiles[0][i]);
     for (; i < rows; ++i) row_dots<MB, 1, KU>(x, w + (n0 + i) * K, K, &tiles[0][i]);
