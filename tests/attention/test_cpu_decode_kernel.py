@@ -233,9 +233,24 @@ def test_cpu_backend_sends_decode_steps_to_the_kernel_and_the_rest_to_torch_nati
     torch.testing.assert_close(out, torch_native.paged_attention(queries, kv_cache, mixed, *settings))
 
 
+def _bound_per_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    *settings: float,
+) -> torch.Tensor:
+    """`cpu.write_and_attend` as the engine calls it: bound to the step's metadata once, then called per layer."""
+    return ops.bind_write_and_attend(metadata, {"layer": kv_cache})(query, key, value, kv_cache, *settings)
+
+
+@pytest.mark.parametrize(
+    "write_and_attend", [cpu.write_and_attend, _bound_per_step], ids=["per-call", "bound"]
+)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_decode_write_and_attend_is_one_kernel_call_with_the_reference_result(
-    kernel_calls: list[int], cache_dtype: torch.dtype
+    kernel_calls: list[int], cache_dtype: torch.dtype, write_and_attend: Callable[..., torch.Tensor]
 ) -> None:
     """The new keys and values land in the cache and are attended to, as the reference's write-then-attend."""
     query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, cache_dtype)
@@ -251,10 +266,39 @@ def test_decode_write_and_attend_is_one_kernel_call_with_the_reference_result(
     settings = (0.125, 0.0, 0)
     expected_cache = kv_cache.clone()
     expected = torch_native.write_and_attend(query, key, value, expected_cache, decode, *settings)
-    out = cpu.write_and_attend(query, key, value, kv_cache, decode, *settings)
+    out = write_and_attend(query, key, value, kv_cache, decode, *settings)
     assert kernel_calls == [1]
     assert torch.equal(kv_cache, expected_cache)
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[cache_dtype], atol=TOLERANCE[cache_dtype])
+
+
+def test_a_step_with_a_prefill_chunk_is_bound_to_the_reference_write_and_attend(
+    kernel_calls: list[int],
+) -> None:
+    _, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, torch.float32)
+    kv_cache = torch.stack([k_cache, v_cache])
+    query_lens = [1, 1, 4, 1, 1]
+    # Each sequence's new tokens are its last ones, in the blocks its table lists for those positions.
+    positions = [
+        (b, p)
+        for b, (q, length) in enumerate(zip(query_lens, SEQ_LENS, strict=True))
+        for p in range(length - q, length)
+    ]
+    slots = [int(block_tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for b, p in positions]
+    mixed = dataclasses.replace(
+        _metadata(query_lens, block_tables, seq_lens), slot_mapping=torch.tensor(slots)
+    )
+    generator = torch.Generator().manual_seed(2)
+    queries = torch.randn(sum(query_lens), 8, 64, generator=generator)
+    key, value = torch.randn(2, sum(query_lens), 2, 64, generator=generator)
+    settings = (0.125, 0.0, 0)
+    expected_cache = kv_cache.clone()
+    expected = torch_native.write_and_attend(queries, key, value, expected_cache, mixed, *settings)
+    out = _bound_per_step(queries, key, value, kv_cache, mixed, *settings)
+    assert kernel_calls == []
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(out, expected)
+    assert out.is_contiguous()
 
 
 def test_decode_write_and_attend_rejects_a_cache_without_its_key_value_axis() -> None:

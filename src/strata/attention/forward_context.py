@@ -8,7 +8,7 @@ serve every layer and every batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -43,10 +43,41 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+# A layer's attention step with this step's metadata already bound: (query, key, value, kv_cache, scale,
+# softcap, sliding_window) -> the contiguous output [num_tokens, H, Dv], this step's K/V written to the cache.
+WriteAndAttend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float, int], torch.Tensor
+]
+
+
+def with_metadata(
+    write_and_attend: Callable[..., torch.Tensor], metadata: AttentionMetadata
+) -> WriteAndAttend:
+    """A backend's `write_and_attend(query, key, value, kv_cache, metadata, scale, softcap, sliding_window)` as
+    this step's `WriteAndAttend`."""
+
+    def bound(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        softcap: float,
+        sliding_window: int,
+    ) -> torch.Tensor:
+        return write_and_attend(
+            query, key, value, kv_cache, metadata, scale, softcap, sliding_window
+        ).contiguous()
+
+    return bound
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: dict[str, torch.Tensor]  # layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # Every layer's write-then-attend this step, chosen by the backend once per step (`ops.bind_write_and_attend`).
+    write_and_attend: WriteAndAttend | None = None
 
 
 _forward_context: ForwardContext | None = None
@@ -62,11 +93,13 @@ def get_forward_context() -> ForwardContext:
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, kv_caches: dict[str, torch.Tensor]
+    attn_metadata: AttentionMetadata | None,
+    kv_caches: dict[str, torch.Tensor],
+    write_and_attend: WriteAndAttend | None = None,
 ) -> Iterator[ForwardContext]:
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches)
+    _forward_context = ForwardContext(attn_metadata, kv_caches, write_and_attend)
     try:
         yield _forward_context
     finally:

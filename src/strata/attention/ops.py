@@ -13,7 +13,8 @@ to the compiler each call looks the same apart from the name, and with `LayerNam
 
 Each is registered twice (`LayerNameOp`): taking `LayerNameType` and, as `<name>_str`, taking `str`.
 The cache write and attention go to the backend for the cache's device (`write_to_kv_cache`, `paged_attention`,
-and both at once, `write_and_attend`).
+and both at once, `write_and_attend`). The last is chosen once per step for all layers (`bind_write_and_attend`,
+which the model runner puts in the forward context), not once per layer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from types import ModuleType
 import torch
 
 from strata.attention.backends import cpu, torch_native
-from strata.attention.forward_context import AttentionMetadata, get_forward_context
+from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, get_forward_context
 from strata.compilation.layer_name import LayerNameOp, LayerNameType, resolve_layer_name
 
 
@@ -56,6 +57,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend with the backend for the cache's device."""
     return _backend(kv_cache).paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+
+
+def bind_write_and_attend(
+    metadata: AttentionMetadata, kv_caches: dict[str, torch.Tensor]
+) -> WriteAndAttend | None:
+    """This step's write-then-attend for every layer (None without layers), from the backend for the caches'
+    device: the runner allocates all layers' caches on one device in one dtype."""
+    kv_cache = next(iter(kv_caches.values()), None)
+    return None if kv_cache is None else _backend(kv_cache).bind_write_and_attend(metadata, kv_cache)
 
 
 def _cache_and_metadata(layer_name: LayerNameType) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -109,12 +119,14 @@ def _attention_with_kv_write(
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache, then attend; query/out [T, H, D]."""
-    kv_cache, metadata = _cache_and_metadata(layer_name)
-    backend = _backend(kv_cache)
-    return backend.write_and_attend(
-        query, key, value, kv_cache, metadata, scale, softcap, sliding_window
-    ).contiguous()
+    """Write this step's K/V ([T, Hkv, D]) into `layer_name`'s paged cache, then attend; query/out [T, H, D].
+    The step's `write_and_attend` was chosen when its context was set, not here, once per layer."""
+    context = get_forward_context()
+    assert context.write_and_attend is not None, (
+        "attention needs metadata; the model runner sets it for every step"
+    )
+    kv_cache = context.kv_caches[resolve_layer_name(layer_name)]
+    return context.write_and_attend(query, key, value, kv_cache, scale, softcap, sliding_window)
 
 
 def _attention_with_kv_write_fake(

@@ -18,7 +18,7 @@ from torch import nn
 
 from strata import host_memory
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
-from strata.attention.ops import prepare_backend
+from strata.attention.ops import bind_write_and_attend, prepare_backend
 from strata.compilation.compiler import CompiledForward
 from strata.compilation.warmup import InductorWarmup
 from strata.config import ConfigError, EngineConfig
@@ -256,7 +256,8 @@ class ModelRunner:
         if not rows:  # a step of prefill chunks only: the cache is filled, no logits are needed
             rows = [0]
         keep = self._on_device(self._staging.keep.fill(rows))
-        with set_forward_context(metadata, self.kv_caches), self._step_threads():
+        write_and_attend = bind_write_and_attend(metadata, self.kv_caches)
+        with set_forward_context(metadata, self.kv_caches, write_and_attend), self._step_threads():
             if self.compiled is not None:
                 logits = self.compiled(input_ids, positions, keep)
             else:

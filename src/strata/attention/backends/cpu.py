@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from strata.attention.backends import torch_native
-from strata.attention.forward_context import AttentionMetadata
+from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, with_metadata
 from strata.layers import cpu_kernels
 
 # Cache dtypes the kernels read and write (`paged_decode_attention` sums in float32 either way).
@@ -100,3 +100,28 @@ def write_and_attend(
         )
     write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
     return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+
+
+def bind_write_and_attend(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> WriteAndAttend:
+    """`write_and_attend` for this step's layers (caches like `kv_cache`), decided once for all of them: on a
+    decode step, the kernel call with the metadata bound. Between two layers' weight streams the
+    interpreter's caches are cold, and there each Python call of the per-layer choice costs microseconds."""
+    if not (metadata.is_pure_decode and _kernel_serves(kv_cache)):
+        return with_metadata(write_and_attend, metadata)
+    decode = torch.ops.strata_cpu.decode_attention_with_kv_write
+    slot_mapping, block_tables, seq_lens = metadata.slot_mapping, metadata.block_tables, metadata.seq_lens
+
+    def decode_with_kv_write(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        softcap: float,
+        sliding_window: int,
+    ) -> torch.Tensor:
+        return decode(
+            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale, softcap, sliding_window
+        )
+
+    return decode_with_kv_write
