@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,11 +51,11 @@ WriteAndAttend = Callable[
 ]
 
 
-def with_metadata(
-    write_and_attend: Callable[..., torch.Tensor], metadata: AttentionMetadata
+def bind_step_arguments(
+    write_and_attend: Callable[..., torch.Tensor], *step_arguments: Any
 ) -> WriteAndAttend:
-    """A backend's `write_and_attend(query, key, value, kv_cache, metadata, scale, softcap, sliding_window)` as
-    this step's `WriteAndAttend`."""
+    """`write_and_attend(query, key, value, kv_cache, *step_arguments, scale, softcap, sliding_window)` with
+    this step's arguments bound: a backend's function with the step's metadata, or a kernel with its tensors."""
 
     def bound(
         query: torch.Tensor,
@@ -65,9 +66,7 @@ def with_metadata(
         softcap: float,
         sliding_window: int,
     ) -> torch.Tensor:
-        return write_and_attend(
-            query, key, value, kv_cache, metadata, scale, softcap, sliding_window
-        ).contiguous()
+        return write_and_attend(query, key, value, kv_cache, *step_arguments, scale, softcap, sliding_window)
 
     return bound
 

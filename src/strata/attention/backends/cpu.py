@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from strata.attention.backends import torch_native
-from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, with_metadata
+from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, bind_step_arguments
 from strata.layers import cpu_kernels
 
 # Cache dtypes the kernels read and write (`paged_decode_attention` sums in float32 either way).
@@ -99,7 +99,7 @@ def write_and_attend(
             sliding_window,
         )
     write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
 
 
 def bind_write_and_attend(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> WriteAndAttend:
@@ -107,21 +107,10 @@ def bind_write_and_attend(metadata: AttentionMetadata, kv_cache: torch.Tensor) -
     decode step, the kernel call with the metadata bound. Between two layers' weight streams the
     interpreter's caches are cold, and there each Python call of the per-layer choice costs microseconds."""
     if not (metadata.is_pure_decode and _kernel_serves(kv_cache)):
-        return with_metadata(write_and_attend, metadata)
-    decode = torch.ops.strata_cpu.decode_attention_with_kv_write
-    slot_mapping, block_tables, seq_lens = metadata.slot_mapping, metadata.block_tables, metadata.seq_lens
-
-    def decode_with_kv_write(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        softcap: float,
-        sliding_window: int,
-    ) -> torch.Tensor:
-        return decode(
-            query, key, value, kv_cache, slot_mapping, block_tables, seq_lens, scale, softcap, sliding_window
-        )
-
-    return decode_with_kv_write
+        return bind_step_arguments(write_and_attend, metadata)
+    return bind_step_arguments(
+        torch.ops.strata_cpu.decode_attention_with_kv_write,
+        metadata.slot_mapping,
+        metadata.block_tables,
+        metadata.seq_lens,
+    )

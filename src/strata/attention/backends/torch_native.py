@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, with_metadata
+from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, bind_step_arguments
 
 
 def write_to_kv_cache(
@@ -146,11 +146,12 @@ def write_and_attend(
     softcap: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """A layer's attention step: store this step's keys and values, then attend (`paged_attention`)."""
+    """A layer's attention step: store this step's keys and values, then attend (`paged_attention`); the
+    output is contiguous."""
     write_to_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window)
+    return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
 
 
 def bind_write_and_attend(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> WriteAndAttend:
     """`write_and_attend` for this step's layers (caches like `kv_cache`)."""
-    return with_metadata(write_and_attend, metadata)
+    return bind_step_arguments(write_and_attend, metadata)
