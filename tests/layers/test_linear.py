@@ -91,10 +91,13 @@ def test_prepacked_weight_is_read_for_wide_inputs_while_it_matches_the_weight() 
     packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
     assert packed is not None
     # A write through `.data` bypasses the version counter, so only the dense weight changes: wide inputs
-    # (over 8 rows) still see the old values, which shows they read the prepacked copy; narrow ones do not.
+    # (over 8 rows) still see the old values, which shows they read the prepacked copy; narrow ones (up to 3
+    # rows) do not.
     weight.data.mul_(2)
     torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), expected)
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:8], weight, None, None), 2 * expected[:8])
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:3], weight, None, None), 2 * expected[:3])
+    if _has_avx512():  # float32 panels are read from 4 rows on
+        torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:4], weight, None, None), expected[:4])
     weight.mul_(1)  # a tracked in-place write: the copy no longer matches the weight and is not read
     torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
 
@@ -341,6 +344,67 @@ def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weigh
         torch.testing.assert_close(output, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="needs at least one weight"):
         torch.ops.strata_cpu.linear_group(x, [])
+
+
+def _has_avx512() -> bool:
+    return "avx512f" in cpu_kernels.cpu_description().split()
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "rows"),
+    [
+        (130, 96, 4),  # the fewest rows that read the panels: one partial row block
+        (130, 96, 9),  # one row block of 8 and one of 1; a last panel of 2 tiles, the last tile partial
+        (1, 5, 16),  # a single output column, two full row blocks
+        (48, 33, 23),  # exactly one panel; row blocks of 8, 8 and 7
+        (97, 2500, 130),  # deeper than one pass (parts of the depth) and more rows than one chunk of x
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_float32_weights_for_wide_inputs_match_float64(
+    out_features: int, in_features: int, rows: int, bias: bool
+) -> None:
+    """Float32 inputs of 4 rows or more on a prepacked float32 weight: on AVX-512 CPUs Strata's panel GEMM
+    (the copy is its column panels, padded to whole tiles), elsewhere oneDNN or the small-batch kernel;
+    either way the float64 answer to float32 accuracy, with every panel split over two threads landing in
+    its own columns."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    assert packed is not None
+    if _has_avx512():
+        assert packed.dim() == 1 and packed.numel() == -(-out_features // 16) * 16 * in_features
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = torch.ops.strata_cpu.linear(x, weight, None, b)
+    finally:
+        torch.set_num_threads(previous)
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    assert (out.double() - expected).abs().max() <= 1e-6 * in_features**0.5 * expected.abs().max()
+
+
+def test_linear_group_of_packed_weights_for_wide_inputs_equals_one_linear_per_weight() -> None:
+    """From 4 rows on, a group whose weights are all prepacked is one call over all their panels, each
+    weight's columns exactly what `linear` gives it; a group with one weight not prepacked takes another
+    path (the small-batch kernel up to 8 rows, `linear` per weight above), with the same results to float32
+    accuracy."""
+    generator = torch.Generator().manual_seed(6)
+    weights = [torch.randn(n, 64, generator=generator) for n in (96, 17, 17, 300)]
+    packed = [torch.ops.strata_cpu.prepack_linear_weight(w) for w in weights[:3]]
+    for rows in (5, 20):
+        x = torch.randn(rows, 64, generator=generator)
+        for group, exact in ((weights[:3], True), (weights, rows > 8)):
+            grouped = torch.ops.strata_cpu.linear_group(x, group)
+            outputs = grouped.split([w.shape[0] for w in group], dim=1)
+            for output, weight in zip(outputs, group, strict=True):
+                expected = torch.ops.strata_cpu.linear(x, weight, None, None)
+                tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-4}
+                torch.testing.assert_close(output, expected, **tolerance)
+    del packed
 
 
 def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers() -> None:

@@ -11,7 +11,9 @@
 // Wider inputs (prefill, large batches) go to oneDNN's GEMM where PyTorch has it: on the CPUs measured it
 // runs float32 at about twice the rate of the MKL path `at::linear` takes for these shapes. A weight
 // registered with `prepack_linear_weight` is read there in oneDNN's own blocked layout, which spares the
-// reorder oneDNN otherwise does on every call.
+// reorder oneDNN otherwise does on every call; a float32 weight on an AVX-512 CPU is packed instead into
+// the column panels of Strata's own GEMM (`panel_gemm.h`), faster than oneDNN there and, from 4 rows of x
+// on, than this kernel.
 //
 // C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the widening loads
 // (`float_tiles.h`) use x86 intrinsics, under #if with a plain C++ fallback for other CPUs. It is built on
@@ -30,6 +32,7 @@
 
 #include "float_rows.h"
 #include "float_tiles.h"
+#include "panel_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -45,6 +48,11 @@ namespace {
 // Above this many rows of x ATen's GEMM is as fast or faster (measured on AVX-512 and AVX2 machines).
 constexpr int64_t kMaxRows = 8;
 
+// From this many rows of x on, a weight packed into panels (`panel_gemm.h`) is read there rather than here:
+// over SmolLM-135M's layers from memory (Zen 4, 2 threads) the panels ran 1.02-1.06x at 3 and 4 rows and
+// 1.12-1.17x at 7 and 8, but 0.88x at 2.
+constexpr int64_t kMinPanelRows = 4;
+
 using strata_kernels::kLanes;
 using strata_kernels::lane_sums;
 using strata_kernels::load_tile_n;
@@ -55,6 +63,7 @@ using strata_kernels::FloatRows;
 using strata_kernels::from_registers;
 using strata_kernels::load_register_tile;
 using strata_kernels::to_registers;
+using strata_kernels::kHasPanelGemm;
 
 // A layer is split over threads only when each thread gets at least this much work, counted in weight
 // bytes times (M + 1) / 2 (more rows of x, more arithmetic per byte): below it waking a second thread
@@ -317,19 +326,24 @@ at::Tensor find_packed(const at::Tensor& weight) {
 // The batch size oneDNN is told to pack for; 16 to 512 measured alike for decode batches and prefill.
 constexpr int64_t kPackForRows = 32;
 
-// `weight` [N, K] float32 or bfloat16 in oneDNN's blocked layout for wide inputs, registered so that
-// `linear` with this very weight (same storage, shape and version) reads it. int8 weights are packed
-// widened to bfloat16, the form wide inputs multiply them in (`wide_int8_linear`); bfloat16 and int8 only
-// where oneDNN has its bfloat16 path (`has_onednn_bfloat16`). The caller keeps the returned tensor alive
-// for as long as the weight should use it. A weight registered already and unchanged since (one weight
-// shared by several layers, as tied embeddings are) gets the same copy back, not a second one. Returns
-// nothing where PyTorch has no oneDNN linear or the weight is not a contiguous matrix of those dtypes:
-// `linear` then reads the weight.
+// Whether a float32 weight's packed copy is in Strata's column panels (`panel_gemm.h`), not oneDNN's layout.
+constexpr bool kFloatPanels = kHasPanelGemm;
+
+// `weight` [N, K] for wide inputs, registered so that `linear` with this very weight (same storage, shape
+// and version) reads it: float32 in column panels where the CPU has AVX-512 (`kFloatPanels`), else float32
+// or bfloat16 in oneDNN's blocked layout. int8 weights are packed widened to bfloat16, the form wide inputs
+// multiply them in (`wide_int8_linear`); bfloat16 and int8 only where oneDNN has its bfloat16 path
+// (`has_onednn_bfloat16`). The caller keeps the returned tensor alive for as long as the weight should use
+// it. A weight registered already and unchanged since (one weight shared by several layers, as tied
+// embeddings are) gets the same copy back, not a second one. Returns nothing where neither layout serves
+// the weight or it is not a contiguous matrix of those dtypes: `linear` then reads the weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   const bool int8 = dtype == at::kChar;
-  if (!has_onednn_linear() || weight.dim() != 2 || !weight.is_contiguous() ||
-      !(dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))) {
+  const bool panels = kFloatPanels && dtype == at::kFloat;
+  if (weight.dim() != 2 || !weight.is_contiguous() ||
+      !(panels || (has_onednn_linear() &&
+                   (dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))))) {
     return std::nullopt;
   }
   if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
@@ -337,7 +351,8 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   static const auto reorder = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                                   .typed<Signature>();
-  at::Tensor packed = reorder.call(int8 ? weight.to(at::kBFloat16) : weight, kPackForRows);
+  at::Tensor packed = panels ? strata_kernels::pack_panels(weight)
+                             : reorder.call(int8 ? weight.to(at::kBFloat16) : weight, kPackForRows);
   std::lock_guard<std::mutex> lock(packed_mutex);
   std::erase_if(packed_weights, [](const auto& entry) { return entry.second.packed.expired(); });
   packed_weights.insert_or_assign(
@@ -347,6 +362,31 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
                    weight._version(),
                    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(packed.getIntrusivePtr())});
   return packed;
+}
+
+// x [M, K] float32 times float32 weights packed in panels (`weights[i]` packed as `packed[i]`, its bias
+// `biases[i]` or none), their outputs side by side: [M, sum of N].
+at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::vector<at::Tensor>& packed,
+                        const std::vector<std::optional<at::Tensor>>& biases) {
+  const at::Tensor xc = x.contiguous();
+  std::vector<at::Tensor> held;  // float32 contiguous biases, alive for the call
+  std::vector<strata_kernels::PanelWeight> parts;
+  int64_t columns = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const float* bias = nullptr;
+    if (biases[i]) bias = held.emplace_back(as_float_contiguous(*biases[i])).data_ptr<float>();
+    parts.push_back({packed[i].data_ptr<float>(), bias, weights[i].size(0), columns});
+    columns += weights[i].size(0);
+  }
+  at::Tensor out = at::empty({x.size(0), columns}, x.options());
+  strata_kernels::panel_gemm(xc.data_ptr<float>(), x.size(0), x.size(1), parts, out.data_ptr<float>(), columns);
+  return out;
+}
+
+// The panels `weight` was packed into, when x and the weight are float32 and it was; else undefined.
+at::Tensor find_panels(const at::Tensor& x, const at::Tensor& weight) {
+  if (!kFloatPanels || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat) return at::Tensor();
+  return find_packed(weight);
 }
 
 // `x @ weight.T + bias` for wide x: oneDNN's linear when PyTorch was built with it (on the prepacked weight
@@ -397,6 +437,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "strata_cpu::linear: weight dtype must be float32, bfloat16 or int8, got ", wtype);
   TORCH_CHECK((wtype == at::kChar) == scale.has_value(), "strata_cpu::linear: int8 weights need a scale");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  if (M >= kMinPanelRows) {
+    if (const at::Tensor panels = find_panels(x, weight); panels.defined()) {
+      return panel_linear(x, {weight}, {panels}, {bias});
+    }
+  }
   if (M > kMaxRows && wtype == at::kChar) return wide_int8_linear(x, weight, *scale, bias);
   if (M > kMaxRows) {
     return wide_linear(x.contiguous(), weight, weight.to(x.scalar_type()).contiguous(),
@@ -454,9 +499,21 @@ void group_kernel(const float* x, at::TensorList weights, O* out, int64_t M, int
 // where separate `linear` calls each pay a dispatch, a fork and a join (about 4 us at batch 1). One tensor,
 // not a list, so that Inductor's C++ wrapper calls it through the dispatcher (a list return goes through
 // Python, which cost more than the grouping saved). Weights of one dtype, float32 or bfloat16, contiguous;
-// anything else, and wider x, is `linear` per weight, concatenated.
+// from kMinPanelRows rows on, one panel GEMM call when every weight was packed into panels. Anything else
+// is `linear` per weight, concatenated.
 at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "strata_cpu::linear_group: needs at least one weight");
+  if (x.dim() == 2 && x.size(0) >= kMinPanelRows) {
+    std::vector<at::Tensor> panels;
+    for (const auto& w : weights) {
+      at::Tensor p = w.dim() == 2 && w.size(1) == x.size(1) ? find_panels(x, w) : at::Tensor();
+      if (!p.defined()) break;
+      panels.push_back(std::move(p));
+    }
+    if (panels.size() == weights.size()) {
+      return panel_linear(x, weights, panels, std::vector<std::optional<at::Tensor>>(weights.size()));
+    }
+  }
   bool grouped = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
   for (const auto& w : weights) {
