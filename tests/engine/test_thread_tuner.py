@@ -48,6 +48,27 @@ def test_busy_neighbour_drops_to_one_thread_and_recovers_when_it_leaves() -> Non
     assert tuner.threads == 2
 
 
+def _probe_lengths(counts: list[int], probed: int) -> list[int]:
+    """Lengths of the runs of steps at the `probed` count."""
+    lengths, run = [], 0
+    for count in [*counts, None]:
+        if count == probed:
+            run += 1
+        elif run:
+            lengths.append(run)
+            run = 0
+    return lengths
+
+
+def test_a_clearly_slower_probe_ends_after_its_first_steps_a_close_one_runs_its_window() -> None:
+    """One thread taking 1.7x as long (compute-bound steps) is seen in the first `early` steps of each probe,
+    which then ends; one thread only 8% slower could still be noise, so that probe runs its whole window."""
+    clearly_slower = _probe_lengths(_run(ThreadTuner(2, window=8, period=40), QUIET, 200), probed=1)
+    assert len(clearly_slower) >= 4 and set(clearly_slower) == {3}
+    close = {1: 0.65, 2: 0.6}.__getitem__
+    assert set(_probe_lengths(_run(ThreadTuner(2, window=8, period=40), close, 200), probed=1)) == {8}
+
+
 def test_neighbour_arriving_is_met_within_a_window_not_a_period() -> None:
     """With a period far longer than the run, only the first probe is periodic; a neighbour that makes the
     steps slower than the fastest seen triggers a probe at once."""
@@ -78,6 +99,8 @@ def test_between_one_and_the_maximum_it_tries_both_directions() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="period"):
         ThreadTuner(2, window=8, period=10)
+    with pytest.raises(ValueError, match="early"):
+        ThreadTuner(2, early=0)
 
 
 def test_engine_tunes_only_when_asked() -> None:

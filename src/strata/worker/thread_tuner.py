@@ -10,8 +10,13 @@ It probes after the first `window` of them, every `period` steps after that, and
 get slower by more than `slowdown` than the fastest they ran at this count (a neighbour arriving): it takes
 the median time of the last `window` such steps as the baseline, runs the next `window` identical steps with
 one thread fewer (or, below the configured count, one more), and keeps whichever count was faster by more
-than the noise margin. A probe that meets a different step shape is abandoned. On a quiet machine a probe
-costs `window` slower steps every `period` (about 0.5%); a neighbour is still met within a window.
+than the noise margin. A probe that meets a different step shape is abandoned, and so is one whose first
+`early` steps already run more than `early_loss` slower than the baseline: the count it tries is clearly
+worse, and finishing the window would only add slow steps. That matters where a step's work is compute-bound
+(32 requests of SmolLM-135M on 2 cores: a one-thread step takes about twice as long), and where the machine's
+own noise or steps slowing as contexts grow set off the `slowdown` trigger: there a whole window of probe
+steps cost about 9% of a run, the first 3 of them a sixth of that. On a quiet machine a probe costs `early`
+to `window` slower steps every `period` (under 0.5%); a neighbour is still met within a window.
 """
 
 from __future__ import annotations
@@ -36,15 +41,19 @@ class ThreadTuner:
         period: int = 2048,
         margin: float = 0.05,
         slowdown: float = 0.25,
+        early: int = 3,
+        early_loss: float = 0.25,
     ) -> None:
-        if max_threads < 1 or window < 1 or period <= 2 * window:
-            raise ValueError("need max_threads >= 1, window >= 1 and period > 2 * window")
+        if max_threads < 1 or window < 1 or period <= 2 * window or early < 1:
+            raise ValueError("need max_threads >= 1, window >= 1, early >= 1 and period > 2 * window")
         self.max_threads = max_threads
         self.threads = max_threads
         self.window = window
         self.period = period
         self.margin = margin
         self.slowdown = slowdown
+        self.early = early
+        self.early_loss = early_loss
         self._shape: StepShape | None = None
         self._times: list[float] = []  # the current run of identical steps at `self.threads`
         self._since_probe = period - window  # the first probe follows the first full window
@@ -65,18 +74,23 @@ class ThreadTuner:
                 self._baseline = None
         self._times.append(seconds)
         self._since_probe += 1
+        if self.probing and len(self._times) == self.early < self.window:
+            assert self._baseline is not None
+            if statistics.median(self._times) > self._baseline * (1 + self.early_loss):
+                self._end_probe(keep=False)  # clearly slower already
+            return
         if len(self._times) < self.window:
             return
         recent = statistics.median(self._times[-self.window :])
         if self.probing:
             assert self._baseline is not None
             if recent > self._baseline * (1 - self.margin):
-                self._switch(self._return_to)  # not clearly faster: back to what ran before
+                self._end_probe(keep=False)  # not clearly faster: back to what ran before
             else:
                 # Debug, not info: it may change every `period` steps, and would break into streamed text.
                 logger.debug("%d threads run this step %.0f%% faster: keeping them", self.threads,
                              100 * (1 - recent / self._baseline))  # fmt: skip
-            self._baseline, self._times, self._since_probe = None, [], 0
+                self._end_probe(keep=True)
             return
         self._fastest = recent if self._fastest is None else min(self._fastest, recent)
         slowed = recent > self._fastest * (1 + self.slowdown)
@@ -84,6 +98,11 @@ class ThreadTuner:
             self._baseline, self._return_to = recent, self.threads
             self._switch(self._candidate())
             self._times = []
+
+    def _end_probe(self, keep: bool) -> None:
+        if not keep:
+            self._switch(self._return_to)
+        self._baseline, self._times, self._since_probe = None, [], 0
 
     def _candidate(self) -> int:
         """The count to probe: one fewer from the configured count, one more from a single thread, and in
