@@ -88,7 +88,12 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
       STRATA_UNROLL
       for (int t = 0; t < TILES; ++t) {
         const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
-        for (int64_t j = 0; j < n; ++j) acc[m][t][j] = out[m * ldo + t * kLanes + j];
+        const float* o = out + m * ldo + t * kLanes;
+        if (n == kLanes) {
+          std::memcpy(&acc[m][t], o, sizeof(FloatTile));
+        } else {
+          for (int64_t j = 0; j < n; ++j) acc[m][t][j] = o[j];
+        }
       }
     }
   }
