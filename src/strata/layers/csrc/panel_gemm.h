@@ -75,27 +75,30 @@ inline at::Tensor pack_panels(const at::Tensor& weight) {
   return packed;
 }
 
+// The first n (at most kLanes) floats at p as a tile, the others zero. A whole tile is one load; element by
+// element into an accumulator, GCC would keep the accumulators in memory for the whole block.
+inline FloatTile load_columns(const float* p, int64_t n) {
+  FloatTile v = {};
+  if (n == kLanes) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    for (int64_t j = 0; j < n; ++j) v[j] = p[j];
+  }
+  return v;
+}
+
 // out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, of which the first
 // `columns` columns are stored (rows of out `ldo` apart): bias added where given, or, with `accumulate`,
 // the sums already in out (an earlier part of the depth) added instead.
 template <int MR, int TILES>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                         float* out, int64_t ldo, int64_t columns, bool accumulate) {
-  FloatTile acc[MR][TILES] = {};
-  if (accumulate) {
+  FloatTile acc[MR][TILES];
+  STRATA_UNROLL
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
     STRATA_UNROLL
-    for (int m = 0; m < MR; ++m) {
-      STRATA_UNROLL
-      for (int t = 0; t < TILES; ++t) {
-        const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
-        const float* o = out + m * ldo + t * kLanes;
-        if (n == kLanes) {
-          std::memcpy(&acc[m][t], o, sizeof(FloatTile));
-        } else {
-          for (int64_t j = 0; j < n; ++j) acc[m][t][j] = o[j];
-        }
-      }
-    }
+    for (int m = 0; m < MR; ++m) acc[m][t] = accumulate && n > 0 ? load_columns(out + m * ldo + t * kLanes, n) : FloatTile{};
   }
   for (int64_t k = 0; k < K; ++k) {
     FloatTile w[TILES];
@@ -112,8 +115,7 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
     if (n <= 0) break;
-    FloatTile b = {};
-    for (int64_t j = 0; bias && !accumulate && j < n; ++j) b[j] = bias[t * kLanes + j];
+    const FloatTile b = bias && !accumulate ? load_columns(bias + t * kLanes, n) : FloatTile{};
     STRATA_UNROLL
     for (int m = 0; m < MR; ++m) {
       const FloatTile v = acc[m][t] + b;
