@@ -362,7 +362,7 @@ def _has_avx512() -> bool:
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_float32_weights_for_wide_inputs_match_float64(
-    out_features: int, in_features: int, rows: int, bias: bool
+    out_features: int, in_features: int, rows: int, bias: bool, threads: Callable[[int], None]
 ) -> None:
     """Float32 inputs of 4 rows or more on a prepacked float32 weight: on AVX-512 CPUs Strata's panel GEMM
     (the copy is its column panels, padded to whole tiles), elsewhere oneDNN or the small-batch kernel;
@@ -376,12 +376,8 @@ def test_packed_float32_weights_for_wide_inputs_match_float64(
     assert packed is not None
     if _has_avx512():
         assert packed.dim() == 1 and packed.numel() == -(-out_features // 16) * 16 * in_features
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out = torch.ops.strata_cpu.linear(x, weight, None, b)
-    finally:
-        torch.set_num_threads(previous)
+    threads(2)
+    out = torch.ops.strata_cpu.linear(x, weight, None, b)
     expected = x.double() @ weight.double().T + (b.double() if bias else 0)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     assert (out.double() - expected).abs().max() <= 1e-6 * in_features**0.5 * expected.abs().max()
@@ -407,7 +403,7 @@ def test_linear_group_of_packed_weights_for_wide_inputs_equals_one_linear_per_we
     del packed
 
 
-def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers() -> None:
+def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers(threads: Callable[[int], None]) -> None:
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(96, 2000, generator=generator)
     x = torch.randn(3, 200, generator=generator)[:, ::2]  # non-contiguous x
@@ -417,10 +413,6 @@ def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers() -> None:
     # Large enough to be split over the intra-op threads; each thread's rows must land in place.
     big = torch.randn(4099, 512, generator=generator)
     xs = torch.randn(5, 512, generator=generator)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        out = torch.ops.strata_cpu.linear(xs, big, None, None)
-    finally:
-        torch.set_num_threads(previous)
+    threads(2)
+    out = torch.ops.strata_cpu.linear(xs, big, None, None)
     torch.testing.assert_close(out, xs @ big.T, rtol=1e-5, atol=1e-3)
