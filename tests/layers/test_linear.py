@@ -229,6 +229,11 @@ def test_kernel_int8_weights_with_per_row_scales(rows: int) -> None:
         ),
         ((torch.randn(2, 4), torch.zeros(3, 4, dtype=torch.int8), None, None), "int8 weights need a scale"),
         ((torch.randn(2, 2, 4), torch.randn(3, 4), None, None), "must be 2-D"),
+        ((torch.randn(9, 4), torch.randn(3, 4), None, torch.randn(2)), "bias must have one value per output"),
+        (
+            (torch.randn(2, 4), torch.zeros(3, 4, dtype=torch.int8), torch.ones(3, 1), None),
+            "scale must have one value per output",
+        ),
     ],
 )
 def test_kernel_rejects_bad_inputs_clearly(args: tuple, message: str) -> None:

@@ -437,6 +437,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
               "strata_cpu::linear: weight dtype must be float32, bfloat16 or int8, got ", wtype);
   TORCH_CHECK((wtype == at::kChar) == scale.has_value(), "strata_cpu::linear: int8 weights need a scale");
   const int64_t M = x.size(0), N = weight.size(0), K = weight.size(1);
+  for (const auto& [name, t] : {std::pair{"scale", &scale}, std::pair{"bias", &bias}}) {
+    TORCH_CHECK(!t->has_value() || ((*t)->dim() == 1 && (*t)->size(0) == N), "strata_cpu::linear: ", name,
+                " must have one value per output (", N, ")");
+  }
   if (M >= kMinPanelRows) {
     if (const at::Tensor panels = find_panels(x, weight); panels.defined()) {
       return panel_linear(x, {weight}, {panels}, {bias});
