@@ -241,6 +241,21 @@ def test_kernel_rejects_bad_inputs_clearly(args: tuple, message: str) -> None:
         torch.ops.strata_cpu.linear(*args)
 
 
+@pytest.mark.parametrize("prepacked", [False, True])
+def test_no_input_features_give_the_bias_at_every_row_count(prepacked: bool) -> None:
+    """A weight with no input columns: every sum is empty, so each row is the bias (or zeros), on every path
+    (small batches, panels or oneDNN), alone or in a group."""
+    weight, bias = torch.randn(3, 0), torch.randn(3)
+    packed = torch.ops.strata_cpu.prepack_linear_weight(weight) if prepacked else None
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 0)
+        torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, bias), bias.expand(rows, 3))
+        torch.testing.assert_close(
+            torch.ops.strata_cpu.linear_group(x, [weight, weight]), torch.zeros(rows, 6)
+        )
+    del packed
+
+
 def _kernel_in_subprocess(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     code = (
         "import logging, torch; logging.basicConfig(level=logging.WARNING)\n"

@@ -9,9 +9,11 @@
 // range of panels: it reads its share of the weight from memory once per chunk of rows, and the other row
 // blocks of the chunk find the panel in L2.
 // Against oneDNN on its own prepacked layout (SmolLM-135M's 30 layers and head, weights read from memory,
-// 2 threads, Zen 4 EPYC, whose FMAs allow 117 GFLOP/s a thread): 1.5x at 9 rows, 1.27x at 32 (204 against
-// 160 GFLOP/s), 1.1-1.2x at 64-128, equal at 512. A software prefetch of the next panel made no difference
-// at 32 rows and cost 1.3x at 16 (every other line fetched), so there is none.
+// 2 threads, Zen 4 EPYC, whose FMAs allow 117 GFLOP/s a thread): 1.4-1.5x at 9 rows, 1.2-1.3x at 32
+// (193-204 against 155-160 GFLOP/s), 1.1-1.2x at 64-128, 0.94-1.03x at 512-1024. With the weights in L3 it
+// runs at 97% of the FMAs' rate, from memory at 82-87%; software prefetches of the next panel into L2
+// during the current one's row blocks (0.98-1.03x) or ahead within the first row block (0.96-1.00x) did
+// not close that gap, so there are none.
 //
 // Only where a tile is one register (AVX-512): with AVX2's 16 registers of half a tile the same blocking
 // would spill, and no AVX2 machine was measured; `strata_cpu::linear` keeps oneDNN there.
@@ -98,7 +100,9 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
     STRATA_UNROLL
-    for (int m = 0; m < MR; ++m) acc[m][t] = accumulate && n > 0 ? load_columns(out + m * ldo + t * kLanes, n) : FloatTile{};
+    for (int m = 0; m < MR; ++m) {
+      acc[m][t] = accumulate && n > 0 ? load_columns(out + m * ldo + t * kLanes, n) : FloatTile{};
+    }
   }
   for (int64_t k = 0; k < K; ++k) {
     FloatTile w[TILES];
@@ -154,8 +158,9 @@ struct PanelWeight {
   int64_t column;
 };
 
-// out (rows `ldo` apart) = x [M, K] (contiguous) times each packed weight, its panels split over ATen's
-// threads: one parallel region for all of them (a layer's q, k and v projections in one call).
+// out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, its panels
+// split over ATen's threads: one parallel region for all of them (a layer's q, k and v projections in one
+// call).
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
                        int64_t ldo) {
   std::vector<int64_t> first_panel{0};  // weight i owns panels [first_panel[i], first_panel[i + 1])

@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
@@ -383,9 +384,12 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
   return out;
 }
 
-// The panels `weight` was packed into, when x and the weight are float32 and it was; else undefined.
+// The panels `weight` was packed into, when x and the weight are float32 and it was; else undefined. Not for
+// an empty depth (no input features), which the other paths handle.
 at::Tensor find_panels(const at::Tensor& x, const at::Tensor& weight) {
-  if (!kFloatPanels || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat) return at::Tensor();
+  if (!kFloatPanels || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.size(1) == 0) {
+    return at::Tensor();
+  }
   return find_packed(weight);
 }
 
@@ -397,7 +401,7 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::
       (x.scalar_type() == at::kBFloat16 && !has_onednn_bfloat16())) {
     return at::linear(x, w, bias);  // no oneDNN bfloat16 path here (`has_onednn_bfloat16`)
   }
-  if (weight.scalar_type() == x.scalar_type()) {
+  if (weight.scalar_type() == x.scalar_type() && !(kFloatPanels && x.scalar_type() == at::kFloat)) {
     if (const at::Tensor packed = find_packed(weight); packed.defined()) return onednn_linear(x, packed, bias);
   }
   return onednn_linear(x, w, bias);
@@ -440,6 +444,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   for (const auto& [name, t] : {std::pair{"scale", &scale}, std::pair{"bias", &bias}}) {
     TORCH_CHECK(!t->has_value() || ((*t)->dim() == 1 && (*t)->size(0) == N), "strata_cpu::linear: ", name,
                 " must have one value per output (", N, ")");
+  }
+  if (K == 0) {  // no input features: every sum is empty
+    const at::Tensor out = at::zeros({M, N}, x.options());
+    return bias ? out.add_(*bias) : out;
   }
   if (M >= kMinPanelRows) {
     if (const at::Tensor panels = find_panels(x, weight); panels.defined()) {
