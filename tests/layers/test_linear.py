@@ -108,6 +108,31 @@ def test_prepacked_weight_is_read_for_wide_inputs_while_it_matches_the_weight() 
     torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 4 * expected)
 
 
+def test_below_four_rows_only_weights_of_a_megabyte_read_their_panels() -> None:
+    """On AVX-512 CPUs, 1 to 3 rows of x read a float32 weight's panels only when it (or a group's weights
+    together) has at least 1 MB; smaller weights stay on the small-batch kernel's dense path. The dense
+    weight is changed behind the version counter, so which copy was read shows in the result."""
+    if not _has_avx512():
+        pytest.skip("float32 weights are packed into panels only on AVX-512 CPUs")
+    generator = torch.Generator().manual_seed(7)
+    big, small = torch.randn(512, 512, generator=generator), torch.randn(64, 512, generator=generator)
+    packed = [torch.ops.strata_cpu.prepack_linear_weight(w) for w in (big, small)]
+    x = torch.randn(3, 512, generator=generator)
+    expected = {"big": x @ big.T, "small": x @ small.T}
+    big.data.mul_(2)
+    small.data.mul_(2)
+    for rows in (1, 2, 3):
+        big_out = torch.ops.strata_cpu.linear(x[:rows], big, None, None)
+        small_out = torch.ops.strata_cpu.linear(x[:rows], small, None, None)
+        torch.testing.assert_close(big_out, expected["big"][:rows], rtol=1e-5, atol=1e-4)  # the panels
+        torch.testing.assert_close(small_out, 2 * expected["small"][:rows], rtol=1e-5, atol=1e-4)  # dense
+        grouped = torch.ops.strata_cpu.linear_group(x[:rows], [small, small, small, small])  # 512 KB
+        torch.testing.assert_close(grouped[:, :64], small_out, rtol=0, atol=0)
+        grouped = torch.ops.strata_cpu.linear_group(x[:rows], [big, small])  # 1.1 MB together: panels
+        torch.testing.assert_close(grouped[:, 512:], expected["small"][:rows], rtol=1e-5, atol=1e-4)
+    del packed
+
+
 def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
     first = linear.Linear(96, 130)
     second = linear.Linear(96, 130)

@@ -13,7 +13,7 @@
 // registered with `prepack_linear_weight` is read there in oneDNN's own blocked layout, which spares the
 // reorder oneDNN otherwise does on every call; a float32 weight on an AVX-512 CPU is packed instead into
 // the column panels of Strata's own GEMM (`panel_gemm.h`), faster than oneDNN there and, from 4 rows of x
-// on, than this kernel.
+// on or for weights of 1 MB and more, than this kernel.
 //
 // C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the widening loads
 // (`float_tiles.h`) use x86 intrinsics, under #if with a plain C++ fallback for other CPUs. It is built on
@@ -49,10 +49,19 @@ namespace {
 // Above this many rows of x ATen's GEMM is as fast or faster (measured on AVX-512 and AVX2 machines).
 constexpr int64_t kMaxRows = 8;
 
-// From this many rows of x on, a weight packed into panels (`panel_gemm.h`) is read there rather than here:
-// over SmolLM-135M's layers from memory (Zen 4, 2 threads) the panels ran 1.02-1.06x at 3 and 4 rows and
-// 1.12-1.17x at 7 and 8, but 0.88x at 2.
+// A weight packed into panels (`panel_gemm.h`) is read there rather than here from kMinPanelRows rows of x on,
+// and below that when it (or a group's weights together) has at least kMinPanelBytes. Decode steps
+// alternated in one compiled engine (Zen 4, 2 threads), panels against this kernel: 4 rows 1.048x
+// (SmolLM-135M) and 1.006x (stories15M), 8 rows 1.119x and 1.057x; 1-3 rows 1.007-1.233x on SmolLM, whose
+// weights are all 1 MB or more; on stories15M's (288 x 288, 331 KB) 0.94x at 3 rows, and with them left
+// here 1.015-1.050x at 1-3 rows (its head still on panels).
 constexpr int64_t kMinPanelRows = 4;
+constexpr int64_t kMinPanelBytes = 1 << 20;
+
+// Whether x's `rows` read packed panels of weights totalling `bytes` (when they have them).
+bool reads_panels(int64_t rows, int64_t bytes) {
+  return rows >= kMinPanelRows || (rows >= 1 && bytes >= kMinPanelBytes);
+}
 
 using strata_kernels::kLanes;
 using strata_kernels::lane_sums;
@@ -449,7 +458,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     const at::Tensor out = at::zeros({M, N}, x.options());
     return bias ? out.add_(*bias) : out;
   }
-  if (M >= kMinPanelRows) {
+  if (reads_panels(M, N * K * 4)) {
     if (const at::Tensor panels = find_panels(x, weight); panels.defined()) {
       return panel_linear(x, {weight}, {panels}, {bias});
     }
@@ -511,11 +520,13 @@ void group_kernel(const float* x, at::TensorList weights, O* out, int64_t M, int
 // where separate `linear` calls each pay a dispatch, a fork and a join (about 4 us at batch 1). One tensor,
 // not a list, so that Inductor's C++ wrapper calls it through the dispatcher (a list return goes through
 // Python, which cost more than the grouping saved). Weights of one dtype, float32 or bfloat16, contiguous;
-// from kMinPanelRows rows on, one panel GEMM call when every weight was packed into panels. Anything else
-// is `linear` per weight, concatenated.
+// one panel GEMM call when every weight was packed into panels and the rows read them (`reads_panels`).
+// Anything else is `linear` per weight, concatenated.
 at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "strata_cpu::linear_group: needs at least one weight");
-  if (x.dim() == 2 && x.size(0) >= kMinPanelRows) {
+  int64_t bytes = 0;
+  for (const auto& w : weights) bytes += w.numel() * 4;
+  if (x.dim() == 2 && reads_panels(x.size(0), bytes)) {
     std::vector<at::Tensor> panels;
     for (const auto& w : weights) {
       at::Tensor p = w.dim() == 2 && w.size(1) == x.size(1) ? find_panels(x, w) : at::Tensor();
