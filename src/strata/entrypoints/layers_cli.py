@@ -27,8 +27,8 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="keep a second copy of CPU linear weights packed for prefill and batches (float32 on AVX-512: "
-        "Strata's panels, from 4 rows; else oneDNN's layout, over 8 rows): faster there, twice the linear "
-        "weights' memory (default: STRATA_PREPACK_WEIGHTS, on)",
+        "Strata's panels, from 4 rows or for weights of 1 MB; else oneDNN's layout, over 8 rows): faster "
+        "there, twice the linear weights' memory (default: STRATA_PREPACK_WEIGHTS, on)",
     )
 
 

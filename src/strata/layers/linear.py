@@ -59,9 +59,9 @@ def _warn_memory_short(available: int) -> None:
 @CustomOp.register("linear")
 class Linear(LinearBase):
     """On the CPU every batch goes through `strata_cpu::linear`: up to 8 rows (decode steps) its own kernel
-    reads the weights at close to memory bandwidth where ATen's GEMM reaches a third of it; wider inputs go
-    to the prepacked copy (Strata's panel GEMM, from 4 rows on, or oneDNN) or to ATen, so one call serves
-    every batch size, compiled or not."""
+    reads the weights at close to memory bandwidth where ATen's GEMM reaches a third of it; the prepacked
+    copy (Strata's panel GEMM, from 4 rows on or for weights of 1 MB and more; oneDNN over 8 rows) or ATen
+    takes the rest, so one call serves every batch size, compiled or not."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
@@ -79,7 +79,8 @@ class Linear(LinearBase):
     def process_weights_after_loading(self) -> None:
         """With `prepack_weights`, a packed copy of the weight (`prepacked_copy`): for inputs wider than 8 rows
         (prefill, batches) oneDNN's layout measured 1.3x faster than its dense path, and Strata's panels
-        1.1-1.5x faster than oneDNN's layout at 9-128 rows (and read from 4 rows on); the cost is a second
+        1.1-1.5x faster than oneDNN's layout at 9-128 rows (and read from 4 rows on, or from 1 row for
+        weights of 1 MB and more); the cost is a second
         copy of the weight."""
         if self.prepack:
             self._packed_weight = prepacked_copy(self.weight)
