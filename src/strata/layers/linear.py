@@ -26,11 +26,12 @@ PREPACK_KEEP_FREE_FRACTION = 0.25
 
 
 def prepacked_copy(weight: torch.Tensor) -> ProcessLocalValue[torch.Tensor] | None:
-    """Register a packed copy of `weight` with `strata_cpu::linear`, which reads it for inputs wider than 8
-    rows (float32 on AVX-512 CPUs: the column panels of Strata's own GEMM; otherwise oneDNN's layout), and
-    return the copy for the layer to hold: it lives as long as the layer, and the op finds it by the
-    weight's storage. Process-local, because a saved compiled trace pickles the layer and a oneDNN tensor
-    cannot be pickled. None where the op keeps no copy of this weight, or memory is short."""
+    """Register a packed copy of `weight` with `strata_cpu::linear`, which reads it for prefill and batches
+    (float32 on AVX-512 CPUs: the column panels of Strata's own GEMM, from 4 rows on or for weights of 1 MB
+    and more; otherwise oneDNN's layout, over 8 rows), and return the copy for the layer to hold: it lives
+    as long as the layer, and the op finds it by the weight's storage. Process-local, because a saved
+    compiled trace pickles the layer and a oneDNN tensor cannot be pickled. None where the op keeps no copy
+    of this weight, or memory is short."""
     copy_bytes = weight.numel() * (2 if weight.dtype == torch.int8 else weight.element_size())  # int8: bf16
     available = host_memory.available_bytes()
     if available - copy_bytes < PREPACK_KEEP_FREE_FRACTION * host_memory.total_bytes():
@@ -80,8 +81,7 @@ class Linear(LinearBase):
         """With `prepack_weights`, a packed copy of the weight (`prepacked_copy`): for inputs wider than 8 rows
         (prefill, batches) oneDNN's layout measured 1.3x faster than its dense path, and Strata's panels
         1.1-1.5x faster than oneDNN's layout at 9-128 rows (and read from 4 rows on, or from 1 row for
-        weights of 1 MB and more); the cost is a second
-        copy of the weight."""
+        weights of 1 MB and more); the cost is a second copy of the weight."""
         if self.prepack:
             self._packed_weight = prepacked_copy(self.weight)
 

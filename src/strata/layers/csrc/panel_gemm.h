@@ -159,20 +159,14 @@ struct PanelWeight {
 };
 
 // out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, its panels
-// split over ATen's threads: one parallel region for all of them (a layer's q, k and v projections in one
-// call).
+// split over ATen's threads, at least `grain` panels a thread: one parallel region for all of them (a
+// layer's q, k and v projections in one call).
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
-                       int64_t ldo) {
+                       int64_t ldo, int64_t grain) {
   std::vector<int64_t> first_panel{0};  // weight i owns panels [first_panel[i], first_panel[i + 1])
   for (const auto& w : weights) first_panel.push_back(first_panel.back() + panel_count(w.N));
   const int64_t depth = K <= kMaxDepth ? K : kDepthPart;
   const int64_t chunk_rows = std::max<int64_t>(kPanelRows, kChunkBytes / (depth * 4) / kPanelRows * kPanelRows);
-  // A thread gets at least 128 KB of weight times (M + 1) / 2, the small-batch kernel's rule: less is not
-  // worth waking the other threads for. (A grain of 1 MFLOP kept small weights on one thread at 1-2 rows,
-  // 0.91-0.95x a stories15M step; from 4 rows on the two rules measured alike.)
-  constexpr int64_t kMinWork = 128 * 1024;
-  const int64_t panel_work = std::max<int64_t>(1, kPanelColumns * K * 4 * (M + 1) / 2);
-  const int64_t grain = std::max<int64_t>(1, (kMinWork + panel_work - 1) / panel_work);
   at::parallel_for(0, first_panel.back(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
       const int64_t m1 = std::min(M, m0 + chunk_rows);

@@ -80,6 +80,14 @@ using strata_kernels::kHasPanelGemm;
 // costs more than it saves (measured on a 2-core Zen 5: a 288x288 int8 layer at M = 1 runs faster on one).
 constexpr int64_t kMinWorkPerThread = 128 * 1024;
 
+// The fewest units of work (row groups here, panels in `panel_gemm`) a thread takes, each unit reading
+// `unit_bytes` of weight at M rows of x. The panels use the same rule: a grain of 1 MFLOP there kept small
+// weights on one thread at 1-2 rows (0.91-0.95x a stories15M step); from 4 rows on both measured alike.
+int64_t thread_grain(int64_t unit_bytes, int64_t M) {
+  const int64_t work = std::max<int64_t>(1, unit_bytes * (M + 1) / 2);
+  return std::max<int64_t>(1, (kMinWorkPerThread + work - 1) / work);
+}
+
 // Whether one native vector register holds a whole 16-float tile (AVX-512), or a tile takes several (AVX2).
 constexpr bool kWideRegisters = strata_kernels::kNativeLanes == kLanes;
 
@@ -232,8 +240,7 @@ void small_batch_rows_m(const float* x, const W* w, const float* scale, const B*
 // thread when there is one thread's worth of work (no parallel region at all), else split over ATen's threads.
 template <typename F>
 void for_row_groups(int64_t groups, int64_t K, int64_t element_size, int64_t M, const F& run) {
-  const int64_t group_work = std::max<int64_t>(1, kLanes * K * element_size * (M + 1) / 2);
-  const int64_t grain = std::max<int64_t>(1, (kMinWorkPerThread + group_work - 1) / group_work);
+  const int64_t grain = thread_grain(kLanes * K * element_size, M);
   if (groups <= grain) {
     run(0, groups);
   } else {
@@ -388,8 +395,10 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
     parts.push_back({packed[i].data_ptr<float>(), bias, weights[i].size(0), columns});
     columns += weights[i].size(0);
   }
-  at::Tensor out = at::empty({x.size(0), columns}, x.options());
-  strata_kernels::panel_gemm(xc.data_ptr<float>(), x.size(0), x.size(1), parts, out.data_ptr<float>(), columns);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, columns}, x.options());
+  strata_kernels::panel_gemm(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
+                             thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
   return out;
 }
 
