@@ -402,6 +402,7 @@ def _has_avx512() -> bool:
         (130, 96, 9),  # one row block of 8 and one of 1; a last panel of 2 tiles, the last tile partial
         (1, 5, 16),  # a single output column, two full row blocks
         (48, 33, 23),  # exactly one panel; row blocks of 8, 8 and 7
+        (200, 96, 40),  # 5 row blocks: those after the first prefetch the next panel (the last one narrow)
         (97, 2500, 130),  # deeper than one pass (parts of the depth) and more rows than one chunk of x
     ],
 )
@@ -432,11 +433,12 @@ def test_linear_group_of_packed_weights_for_wide_inputs_equals_one_linear_per_we
     """From 4 rows on, a group whose weights are all prepacked is one call over all their panels, each
     weight's columns exactly what `linear` gives it; a group with one weight not prepacked takes another
     path (the small-batch kernel up to 8 rows, `linear` per weight above), with the same results to float32
-    accuracy."""
+    accuracy. At 40 rows (5 row blocks) the blocks after the first prefetch the next panel, which may be the
+    next weight's."""
     generator = torch.Generator().manual_seed(6)
     weights = [torch.randn(n, 64, generator=generator) for n in (96, 17, 17, 300)]
     packed = [torch.ops.strata_cpu.prepack_linear_weight(w) for w in weights[:3]]
-    for rows in (5, 20):
+    for rows in (5, 20, 40):
         x = torch.randn(rows, 64, generator=generator)
         for group, exact in ((weights[:3], True), (weights, rows > 8)):
             grouped = torch.ops.strata_cpu.linear_group(x, group)

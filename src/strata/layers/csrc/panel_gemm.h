@@ -11,9 +11,8 @@
 // Against oneDNN on its own prepacked layout (SmolLM-135M's 30 layers and head, weights read from memory,
 // 2 threads, Zen 4 EPYC, whose FMAs allow 117 GFLOP/s a thread): 1.4-1.5x at 9 rows, 1.2-1.3x at 32
 // (193-204 against 155-160 GFLOP/s), 1.1-1.2x at 64-128, 0.94-1.03x at 512-1024. With the weights in L3 it
-// runs at 97% of the FMAs' rate, from memory at 82-87%; software prefetches of the next panel into L2
-// during the current one's row blocks (0.98-1.03x) or ahead within the first row block (0.96-1.00x) did
-// not close that gap, so there are none.
+// runs at 97% of the FMAs' rate, from memory at 82-87%: the first row block of each panel waits for it
+// (`kPrefetchingBlocks` below). The next blocks' prefetches of the next panel gained 1.05-1.07x at 32 rows.
 //
 // Only where a tile is one register (AVX-512): with AVX2's 16 registers of half a tile the same blocking
 // would spill, and no AVX2 machine was measured; `strata_cpu::linear` keeps oneDNN there.
@@ -28,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace strata_kernels {
@@ -91,10 +92,17 @@ inline FloatTile load_columns(const float* p, int64_t n) {
 
 // out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, of which the first
 // `columns` columns are stored (rows of out `ldo` apart): bias added where given, or, with `accumulate`,
-// the sums already in out (an earlier part of the depth) added instead.
-template <int MR, int TILES>
+// the sums already in out (an earlier part of the depth) added instead. With PREFETCH, the first
+// `prefetch.lines` cache lines from `prefetch.from` on (at most K) are requested as well, one a k. A prefetch
+// never faults, so one past the end of the weight is harmless.
+struct Prefetch {
+  const char* from;
+  int64_t lines;
+};
+
+template <int MR, int TILES, bool PREFETCH>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-                        float* out, int64_t ldo, int64_t columns, bool accumulate) {
+                        float* out, int64_t ldo, int64_t columns, bool accumulate, Prefetch prefetch) {
   FloatTile acc[MR][TILES];
   STRATA_UNROLL
   for (int t = 0; t < TILES; ++t) {
@@ -105,6 +113,9 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
     }
   }
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (PREFETCH) {
+      if (k < prefetch.lines) __builtin_prefetch(prefetch.from + k * 64, 0, 3);
+    }
     FloatTile w[TILES];
     STRATA_UNROLL
     for (int t = 0; t < TILES; ++t) std::memcpy(&w[t], panel + (k * TILES + t) * kLanes, sizeof(FloatTile));
@@ -133,22 +144,39 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   }
 }
 
-template <int TILES>
+template <int TILES, bool PREFETCH>
 inline void panel_block_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
-                             const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate) {
+                             const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
+                             Prefetch prefetch) {
   switch (rows) {
-    case 8: panel_block<8, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 7: panel_block<7, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 6: panel_block<6, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 5: panel_block<5, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 4: panel_block<4, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 3: panel_block<3, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    case 2: panel_block<2, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
-    default: panel_block<1, TILES>(x, ldx, panel, K, bias, out, ldo, columns, accumulate); break;
+    case 8: panel_block<8, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 7: panel_block<7, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 6: panel_block<6, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 5: panel_block<5, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 4: panel_block<4, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 3: panel_block<3, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 2: panel_block<2, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    default: panel_block<1, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
   }
 }
 
-static_assert(kPanelRows == 8 && kPanelTiles == 3, "panel_block_rows and panel_gemm dispatch on these");
+// panel_block for a panel `width` columns wide (whole tiles) and 1 to kPanelRows rows.
+template <bool PREFETCH>
+inline void panel_block_any(int64_t width, int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                            const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
+                            Prefetch prefetch) {
+  const auto block = [&](auto tiles) {
+    panel_block_rows<decltype(tiles)::value, PREFETCH>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
+                                                       prefetch);
+  };
+  switch (width / kLanes) {
+    case 3: block(std::integral_constant<int, 3>{}); break;
+    case 2: block(std::integral_constant<int, 2>{}); break;
+    default: block(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+static_assert(kPanelRows == 8 && kPanelTiles == 3, "panel_block_rows and panel_block_any dispatch on these");
 
 // One packed weight of a `panel_gemm` call: its outputs go to columns [column, column + N) of out.
 struct PanelWeight {
@@ -157,6 +185,19 @@ struct PanelWeight {
   int64_t N;
   int64_t column;
 };
+
+// The row blocks after a panel's first that prefetch the stretch of panel this thread reads next (the next
+// part of the depth, the next panel, or the first one again for the next chunk of rows), a third each, one
+// cache line a k. Without them, the first row block asks for the panel from memory at the FMAs' pace, 3
+// lines a k, and waited: it took 1.4x as long as the others (16.2k against 11.6k cycles; Zen 4, 32 rows,
+// SmolLM's layers from memory). With them it took 12.5k and the others 11.9k. Measured against none,
+// alternated, 2 threads: SmolLM's layers and head 1.05-1.07x at 32 rows, 1.02-1.03x at 48-64, 1.01x at
+// 128, 0.997x at 512-1024 (within noise); Llama-7B's 1.05x at 32, 1.01x at 128; a decode step at 32
+// requests 1.009-1.029x. Spread over all the blocks after the first, 512 rows and more lost 1%: the
+// prefetches cost each block a little, and past a few blocks the first one's wait matters less. With fewer
+// than 4 blocks (fewer than 25 rows) they come 2-3 a k: 0.7-0.9x at 9-16 rows, 0.94-1.03x at 24.
+constexpr int64_t kPrefetchingBlocks = 3;
+constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
 
 // out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, its panels
 // split over ATen's threads, at least `grain` panels a thread: one parallel region for all of them (a
@@ -167,28 +208,47 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
   for (const auto& w : weights) first_panel.push_back(first_panel.back() + panel_count(w.N));
   const int64_t depth = K <= kMaxDepth ? K : kDepthPart;
   const int64_t chunk_rows = std::max<int64_t>(kPanelRows, kChunkBytes / (depth * 4) / kPanelRows * kPanelRows);
+  // Panel g's weight, first column and width.
+  auto locate = [&](int64_t g) {
+    const size_t i = std::upper_bound(first_panel.begin(), first_panel.end(), g) - first_panel.begin() - 1;
+    const int64_t n0 = (g - first_panel[i]) * kPanelColumns;
+    return std::tuple{i, n0, panel_width(std::min(kPanelColumns, weights[i].N - n0))};
+  };
   at::parallel_for(0, first_panel.back(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
       const int64_t m1 = std::min(M, m0 + chunk_rows);
-      size_t i = 0;
+      const int64_t blocks = (m1 - m0 + kPanelRows - 1) / kPanelRows;
       for (int64_t g = begin; g < end; ++g) {
-        while (g >= first_panel[i + 1]) ++i;
+        const auto [i, n0, width] = locate(g);
         const PanelWeight& w = weights[i];
-        const int64_t n0 = (g - first_panel[i]) * kPanelColumns, columns = std::min(kPanelColumns, w.N - n0);
-        const int64_t width = panel_width(columns);
+        const int64_t columns = std::min(kPanelColumns, w.N - n0);
         const float* bias = w.bias ? w.bias + n0 : nullptr;
         float* o = out + w.column + n0;
         for (int64_t k0 = 0; k0 < K; k0 += depth) {
           const int64_t part = std::min(depth, K - k0);
           const float* panel = w.panels + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
+          // What this thread reads after this part of the panel (a tile is one cache line a k).
+          const float* next = nullptr;
+          int64_t next_lines = 0;
+          if (blocks >= kMinPrefetchBlocks && k0 + depth < K) {
+            next = panel + part * width;
+            next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
+          } else if (blocks >= kMinPrefetchBlocks && (g + 1 < end || m1 < M)) {
+            const auto [j, next_n0, next_width] = locate(g + 1 < end ? g + 1 : begin);
+            next = weights[j].panels + next_n0 * K;
+            next_lines = std::min(depth, K) * next_width / kLanes;
+          }
+          const int64_t share = (next_lines + kPrefetchingBlocks - 1) / kPrefetchingBlocks;  // lines a block
           for (int64_t r = m0; r < m1; r += kPanelRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
             const float* xr = x + r * K + k0;
             float* orow = o + r * ldo;
-            switch (width / kLanes) {
-              case 3: panel_block_rows<3>(rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0); break;
-              case 2: panel_block_rows<2>(rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0); break;
-              default: panel_block_rows<1>(rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0); break;
+            const int64_t block = (r - m0) / kPanelRows;
+            if (next && block > 0 && block <= kPrefetchingBlocks) {
+              const Prefetch prefetch{reinterpret_cast<const char*>(next) + (block - 1) * share * 64, share};
+              panel_block_any<true>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
+            } else {
+              panel_block_any<false>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
             }
           }
         }
