@@ -175,13 +175,17 @@ struct Indices {
 
 // Blocks of a sequence's keys and values kept on their way into L2 ahead of the one being read, and what
 // the work loop prefetches of the next work item. Into L2, not L1: a block's worth of L1 prefetches at once
-// holds the miss buffers this block's own loads need. Each block is asked for twice, two blocks ahead and
-// again one block ahead, because a prefetch the memory system has no room for is dropped, and the second
-// request finds room. Measured on a Zen 4 EPYC (2 threads, 30 layers' caches read from memory, head dim 64,
-// 1 to 32 sequences of 96 to 1024 tokens, 1 to 8 KV heads): one block ahead into L2 was 1.09-1.50x one block
-// ahead into L1 (and none at all 0.83-1.37x); two blocks ahead asked twice, with the next item's first two
-// blocks prefetched during the current item, 1.04-1.23x more; two blocks ahead asked once only 0.99-1.08x.
-constexpr int64_t kPrefetchBlocks = 2;
+// holds the miss buffers this block's own loads need. Each block is asked for three times, three, two and
+// one block ahead, because a prefetch the memory system has no room for is dropped, and a later request
+// finds room. Measured on a Zen 4 EPYC (2 threads, 30 layers' caches read from memory, head dim 64, 1 to 32
+// sequences of 96 to 1024 tokens, 1 to 8 KV heads): one block ahead into L2 was 1.09-1.50x one block ahead
+// into L1 (and none at all 0.83-1.37x); two blocks ahead asked twice, with the next item's first two blocks
+// prefetched during the current item, 1.04-1.23x more; two blocks ahead asked once only 0.99-1.08x. Three
+// ahead against two (SmolLM's 3 KV heads, blocks of a sequence 32 apart as a batch's decode allocates them):
+// 1.04x at 32 sequences of 96 tokens, 1.10-1.13x at 200-400, 1.08-1.13x at 2-16 sequences of 150-2000
+// tokens; at one sequence 0.96-0.99x up to 600 tokens (a few microseconds a step) and 1.10x at 2000.
+// Asking only two and three blocks ahead, or one and three, or up to four ahead, did less.
+constexpr int64_t kPrefetchBlocks = 3;
 
 // Prefetches into L2 the keys and values of the KV head in block `index` of a sequence's `table`, when the
 // context [0, len) reaches that block and its id is valid (an invalid one is reported where it is read).
