@@ -8,9 +8,11 @@ A small ASGI guard in front of the app answers 503 while shutting down, 401 with
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -240,11 +242,30 @@ class _Server(uvicorn.Server):
             print(f"strata: serving {self.server_config.model_names[0]} at http://{host}:{port}", flush=True)
 
 
+def freeze_startup_heap() -> int:
+    """Collect the garbage of startup, then take every object alive (the engine's modules, compiled graphs,
+    tokenizer) out of the cyclic garbage collector's generations (`gc.freeze`), and return how many. Each
+    full pass of the collector walks every object it tracks while the engine waits: 210 ms for the 471k
+    objects of a compiled SmolLM-135M engine (Zen 4 EPYC), none once they are frozen. Only for a process
+    that serves one engine for its whole life: a frozen object that later becomes cyclic garbage stays."""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info(
+        "froze %d startup objects out of the garbage collector's passes (a full pass over them took %.0f ms)",
+        frozen,
+        (time.perf_counter() - start) * 1e3,
+    )
+    return frozen
+
+
 def run_server(
     engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, shutdown_timeout: float
 ) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted."""
     app = build_app(engine, config)
+    freeze_startup_heap()
     uvicorn_config = uvicorn.Config(
         app,
         host=host,
