@@ -606,8 +606,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return direct ? out : out.to(query.scalar_type());
 }
 
+// Whether each token's [Hkv, D] of `rows` lies contiguously in memory, whatever the stride between tokens.
+bool token_rows_contiguous(const at::Tensor& rows) {
+  return (rows.size(2) <= 1 || rows.stride(2) == 1) && (rows.size(1) <= 1 || rows.stride(1) == rows.size(2));
+}
+
 // Copies `rows` [T, Hkv, D] (any floating dtype) into `cache` [num_blocks, block_size, Hkv, D] at the flat
-// slots `slots` [T] (block * block_size + offset), which the caller checked.
+// slots `slots` [T] (block * block_size + offset), which the caller checked. Rows already in the cache's
+// dtype are copied from where they lie, token by token: a decode step's values are a strided view of the
+// layer's fused q/k/v projection, and a contiguous copy of them first cost a clone per layer.
 void write_rows(const char* op, const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
   TORCH_CHECK(rows.dim() == 3 && cache.dim() == 4, op, "rows must be [tokens, kv_heads, head_dim] and the cache ",
               "[num_blocks, block_size, kv_heads, head_dim], got ", rows.sizes(), " and ", cache.sizes());
@@ -615,8 +622,10 @@ void write_rows(const char* op, const at::Tensor& rows, const at::Tensor& cache,
               rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache.sizes());
   TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), op,
               "each cache slot must hold its heads contiguously");
-  const at::Tensor src = rows.to(cache.scalar_type()).contiguous();
+  const bool in_place = rows.scalar_type() == cache.scalar_type() && token_rows_contiguous(rows);
+  const at::Tensor src = in_place ? rows : rows.to(cache.scalar_type()).contiguous();
   const int64_t block_size = cache.size(1), row_bytes = src.size(1) * src.size(2) * src.element_size();
+  const int64_t token_bytes = src.stride(0) * src.element_size();
   const int64_t block_bytes = cache.stride(0) * cache.element_size();
   const int64_t slot_bytes = cache.stride(1) * cache.element_size();
   const char* from = static_cast<const char*>(src.const_data_ptr());
@@ -624,7 +633,7 @@ void write_rows(const char* op, const at::Tensor& rows, const at::Tensor& cache,
   const Indices slot_at(slots);
   for (int64_t t = 0; t < src.size(0); ++t) {
     const int64_t slot = slot_at[t];
-    std::memcpy(to + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes, from + t * row_bytes,
+    std::memcpy(to + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes, from + t * token_bytes,
                 row_bytes);
   }
 }
