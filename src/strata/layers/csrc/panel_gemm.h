@@ -208,20 +208,20 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
   for (const auto& w : weights) first_panel.push_back(first_panel.back() + panel_count(w.N));
   const int64_t depth = K <= kMaxDepth ? K : kDepthPart;
   const int64_t chunk_rows = std::max<int64_t>(kPanelRows, kChunkBytes / (depth * 4) / kPanelRows * kPanelRows);
-  // Panel g's weight, first column and width.
+  // Panel g's weight, its first column and how many of the weight's columns it holds.
   auto locate = [&](int64_t g) {
     const size_t i = std::upper_bound(first_panel.begin(), first_panel.end(), g) - first_panel.begin() - 1;
     const int64_t n0 = (g - first_panel[i]) * kPanelColumns;
-    return std::tuple{i, n0, panel_width(std::min(kPanelColumns, weights[i].N - n0))};
+    return std::tuple{i, n0, std::min(kPanelColumns, weights[i].N - n0)};
   };
   at::parallel_for(0, first_panel.back(), grain, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
       const int64_t m1 = std::min(M, m0 + chunk_rows);
       const int64_t blocks = (m1 - m0 + kPanelRows - 1) / kPanelRows;
       for (int64_t g = begin; g < end; ++g) {
-        const auto [i, n0, width] = locate(g);
+        const auto [i, n0, columns] = locate(g);
         const PanelWeight& w = weights[i];
-        const int64_t columns = std::min(kPanelColumns, w.N - n0);
+        const int64_t width = panel_width(columns);
         const float* bias = w.bias ? w.bias + n0 : nullptr;
         float* o = out + w.column + n0;
         for (int64_t k0 = 0; k0 < K; k0 += depth) {
@@ -230,13 +230,15 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
           // What this thread reads after this part of the panel (a tile is one cache line a k).
           const float* next = nullptr;
           int64_t next_lines = 0;
-          if (blocks >= kMinPrefetchBlocks && k0 + depth < K) {
-            next = panel + part * width;
-            next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
-          } else if (blocks >= kMinPrefetchBlocks && (g + 1 < end || m1 < M)) {
-            const auto [j, next_n0, next_width] = locate(g + 1 < end ? g + 1 : begin);
-            next = weights[j].panels + next_n0 * K;
-            next_lines = std::min(depth, K) * next_width / kLanes;
+          if (blocks >= kMinPrefetchBlocks) {
+            if (k0 + depth < K) {
+              next = panel + part * width;
+              next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
+            } else if (g + 1 < end || m1 < M) {
+              const auto [j, next_n0, next_columns] = locate(g + 1 < end ? g + 1 : begin);
+              next = weights[j].panels + next_n0 * K;
+              next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
+            }
           }
           const int64_t share = (next_lines + kPrefetchingBlocks - 1) / kPrefetchingBlocks;  // lines a block
           for (int64_t r = m0; r < m1; r += kPanelRows) {
