@@ -100,6 +100,7 @@ class ThreadTuner:
             self._times = []
 
     def _end_probe(self, keep: bool) -> None:
+        """Close the probe: keep the count it tried or go back to the one before, and start a new period."""
         if not keep:
             self._switch(self._return_to)
         self._baseline, self._times, self._since_probe = None, [], 0
