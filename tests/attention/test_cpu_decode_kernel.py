@@ -224,13 +224,65 @@ def test_cpu_backend_sends_decode_steps_to_the_kernel_and_the_rest_to_torch_nati
     assert kernel_calls == [1]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
-    # A prefill chunk among the decodes: the whole step goes to the reference backend.
+    # A prefill chunk among the decodes: its four query tokens are kernel rows too, in the same call.
     query_lens = [1, 1, 4, 1, 1]
     mixed = _metadata(query_lens, block_tables, seq_lens)
     queries = torch.randn(sum(query_lens), 8, 64)
     out = cpu.paged_attention(queries, kv_cache, mixed, *settings)
-    assert kernel_calls == [1]
+    assert kernel_calls == [1, 1]
     torch.testing.assert_close(out, torch_native.paged_attention(queries, kv_cache, mixed, *settings))
+
+    # Every sequence's whole prompt: the 100-token one (100 x 100 query-key pairs) goes to torch_native.
+    prefill = _metadata(SEQ_LENS, block_tables, seq_lens)
+    assert (rows := cpu.KernelRows.of(prefill)) is not None and rows.other_seqs == [4]
+    queries = torch.randn(sum(SEQ_LENS), 8, 64)
+    out = cpu.paged_attention(queries, kv_cache, prefill, *settings)
+    assert kernel_calls == [1, 1, 1]
+    torch.testing.assert_close(out, torch_native.paged_attention(queries, kv_cache, prefill, *settings))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 40)], ids=["gqa", "mha"]
+)
+@pytest.mark.parametrize(("softcap", "sliding_window"), [(0.0, 0), (2.0, 20)])
+# All through the kernel; a long prompt and a long chunk through torch_native beside short ones; none.
+@pytest.mark.parametrize("query_lens", [[1, 16, 9, 50, 3], [1, 16, 17, 50, 100], [1, 1, 17, 17, 100]])
+def test_prefill_and_mixed_steps_attend_each_query_token_as_a_kernel_row(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    softcap: float,
+    sliding_window: int,
+    query_lens: list[int],
+) -> None:
+    """Each query token of a prefill or chunk attends to its sequence's cache up to and including its own
+    position (and no further back than the window): the same as torch_native's causal SDPA per sequence."""
+    _, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(num_heads, num_kv_heads, head_dim, dtype)
+    kv_cache = torch.stack([k_cache, v_cache])
+    metadata = _metadata(query_lens, block_tables, seq_lens)
+    generator = torch.Generator().manual_seed(3)
+    queries = (torch.randn(sum(query_lens), num_heads, head_dim, generator=generator) * 2).to(dtype)
+    settings = (head_dim**-0.5, softcap, sliding_window)
+    out = cpu.paged_attention(queries, kv_cache, metadata, *settings)
+    expected = torch_native.paged_attention(queries.float(), kv_cache.float(), metadata, *settings)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_kernel_rows_are_each_tokens_position_in_its_sequence() -> None:
+    """Row lengths count the cached context before a chunk; a sequence the kernel serves worse is left out."""
+    _, _, _, block_tables, seq_lens = _paged_inputs(4, 4, 16, torch.float32)
+    metadata = _metadata([1, 3, 2, 50, 90], block_tables, seq_lens)  # 90 queries x 100 keys: torch_native
+    rows = cpu.KernelRows.of(metadata)
+    assert rows is not None and rows.other_seqs == [4]
+    assert rows.seq_lens.tolist() == [1, 14, 15, 16, 16, 17, *range(1, 51)]
+    assert rows.tokens is not None and rows.tokens.tolist() == list(range(56))
+    assert torch.equal(rows.block_tables, block_tables[[0, 1, 1, 1, 2, 2, *[3] * 50]])
+    assert cpu.KernelRows.of(_metadata([1, 1, 1, 1, 100], block_tables, seq_lens)) is not None
+    assert cpu.KernelRows.of(_metadata([1, 1, 1, 1, 100], block_tables, seq_lens)).tokens is not None
+    assert cpu.KernelRows.of(_metadata([1, 16, 17, 50], block_tables[:4], seq_lens[:4])).tokens is None
 
 
 def _bound_per_step(
@@ -272,12 +324,16 @@ def test_decode_write_and_attend_is_one_kernel_call_with_the_reference_result(
     torch.testing.assert_close(out, expected, rtol=TOLERANCE[cache_dtype], atol=TOLERANCE[cache_dtype])
 
 
-def test_a_step_with_a_prefill_chunk_is_bound_to_the_reference_write_and_attend(
-    kernel_calls: list[int],
+@pytest.mark.parametrize(
+    ("query_lens", "calls"), [([1, 1, 4, 1, 1], [1]), ([1, 16, 17, 50, 100], [1])], ids=["kernel", "split"]
+)
+def test_a_step_with_a_prefill_chunk_writes_then_attends_through_the_kernel_rows(
+    kernel_calls: list[int], query_lens: list[int], calls: list[int]
 ) -> None:
+    """Bound once per step: the cache holds the new keys and values, then every token attends as the
+    reference's write-then-attend does (the long prompt of the "split" step through torch_native)."""
     _, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, torch.float32)
     kv_cache = torch.stack([k_cache, v_cache])
-    query_lens = [1, 1, 4, 1, 1]
     # Each sequence's new tokens are its last ones, in the blocks its table lists for those positions.
     positions = [
         (b, p)
@@ -295,10 +351,31 @@ def test_a_step_with_a_prefill_chunk_is_bound_to_the_reference_write_and_attend(
     expected_cache = kv_cache.clone()
     expected = torch_native.write_and_attend(queries, key, value, expected_cache, mixed, *settings)
     out = _bound_per_step(queries, key, value, kv_cache, mixed, *settings)
+    assert kernel_calls == calls
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert out.is_contiguous()
+
+
+def test_a_step_the_kernel_serves_worse_is_bound_to_the_reference_write_and_attend(
+    kernel_calls: list[int],
+) -> None:
+    """One sequence, a long prompt: SDPA's step, with nothing built for the kernel."""
+    _, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(8, 2, 64, torch.float32)
+    kv_cache = torch.stack([k_cache, v_cache])
+    table = block_tables[4:]
+    slots = table[0, torch.arange(100) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(100) % BLOCK_SIZE
+    prompt = dataclasses.replace(_metadata([100], table, seq_lens[4:]), slot_mapping=slots.long())
+    assert cpu.KernelRows.of(prompt) is None
+    generator = torch.Generator().manual_seed(4)
+    queries = torch.randn(100, 8, 64, generator=generator)
+    key, value = torch.randn(2, 100, 2, 64, generator=generator)
+    expected_cache = kv_cache.clone()
+    expected = torch_native.write_and_attend(queries, key, value, expected_cache, prompt, 0.125, 0.0, 0)
+    out = ops.bind_write_and_attend(prompt, {"layer": kv_cache})(queries, key, value, kv_cache, 0.125, 0.0, 0)
     assert kernel_calls == []
     assert torch.equal(kv_cache, expected_cache)
     torch.testing.assert_close(out, expected)
-    assert out.is_contiguous()
 
 
 def test_decode_write_and_attend_rejects_a_cache_without_its_key_value_axis() -> None:

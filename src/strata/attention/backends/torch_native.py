@@ -8,6 +8,8 @@ sliding-window) mask.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -114,10 +116,30 @@ def paged_attention(
         return _decode_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, softcap, sliding_window
         )
-    block_size = metadata.block_size
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
+    attend_sequences(
+        query, k_cache, v_cache, metadata, range(metadata.num_seqs), out, scale, softcap, sliding_window
+    )
+    return out
+
+
+def attend_sequences(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    seqs: Iterable[int],
+    out: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+) -> None:
+    """Attend the queries of sequences `seqs` (their rows of query [num_tokens, H, D]) over their cached
+    contexts, one SDPA call each, into the same rows of `out` [num_tokens, H, Dv]."""
+    block_size = metadata.block_size
     starts = metadata.query_start_loc_host
-    for i, seq_len in enumerate(metadata.seq_lens_host):
+    for i in seqs:
+        seq_len = metadata.seq_lens_host[i]
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         query_offset = seq_len - q_len
@@ -133,7 +155,6 @@ def paged_attention(
         out[q_start:q_end] = _attend(
             query[q_start:q_end], key, value, query_offset, key_offset, scale, softcap, sliding_window
         )
-    return out
 
 
 def write_and_attend(
