@@ -27,11 +27,13 @@
 #include "float_tiles.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -535,28 +537,54 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
   }
 }
 
-// query [B, H, D] (one token per sequence); k_cache [num_blocks, block_size, Hkv, D] and v_cache
-// [num_blocks, block_size, Hkv, Dv] in float32, bfloat16 or float16; block_tables [B, max_blocks] and
-// seq_lens [B] (context length including this token) int32 or int64. softcap > 0 caps the scaled scores
-// with tanh; sliding_window > 0 keeps only the last sliding_window keys. Returns [B, H, Dv] in query's dtype.
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, double softcap,
-                                  int64_t sliding_window) {
-  constexpr const char* op = "strata_cpu::paged_decode_attention: ";
+// Keys or values of a layer's cache, [num_blocks, block_size, kv_heads, dim]: a 4-D tensor, or one half of the
+// engine's [2, num_blocks, block_size, kv_heads, dim] cache, read through its pointer and strides. A `select`
+// view of each half cost a tensor per call (about 2 us, two a layer a decode step).
+struct CacheHalf {
+  char* data;
+  at::ScalarType dtype;
+  int64_t itemsize;
+  std::array<int64_t, 4> sizes, strides;
+
+  static CacheHalf of(const at::Tensor& cache, int64_t first_dim = 0, int64_t offset = 0) {
+    CacheHalf half{static_cast<char*>(cache.data_ptr()) + offset * cache.element_size(), cache.scalar_type(),
+                   static_cast<int64_t>(cache.element_size()), {}, {}};
+    for (int d = 0; d < 4; ++d) {
+      half.sizes[d] = cache.size(first_dim + d);
+      half.strides[d] = cache.stride(first_dim + d);
+    }
+    return half;
+  }
+  // Half `index` (0: keys, 1: values) of a [2, ...] cache.
+  static CacheHalf of_pair(const at::Tensor& kv_cache, int64_t index) {
+    return of(kv_cache, 1, index * kv_cache.stride(0));
+  }
+
+  bool same_blocks(const CacheHalf& other, int dims) const {
+    return std::equal(sizes.begin(), sizes.begin() + dims, other.sizes.begin());
+  }
+  template <typename T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(data);
+  }
+};
+
+std::ostream& operator<<(std::ostream& out, const CacheHalf& half) {
+  return out << at::IntArrayRef(half.sizes.data(), half.sizes.size());
+}
+
+// paged_decode_attention on caches given as halves (`CacheHalf`), each head's values contiguous.
+at::Tensor attend_cache(const char* op, const at::Tensor& query, const CacheHalf& k, const CacheHalf& v,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, double softcap,
+                        int64_t sliding_window) {
   TORCH_CHECK(query.dim() == 3, op, "query must be [batch, heads, head_dim], got ", query.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
-              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), op,
-              "k_cache and v_cache differ in blocks, block size or heads: ", k_cache.sizes(), " vs ",
-              v_cache.sizes());
-  const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK(dtype == v_cache.scalar_type(), op, "k_cache and v_cache must have one dtype");
+  TORCH_CHECK(k.same_blocks(v, 3), op, "k_cache and v_cache differ in blocks, block size or heads: ", k, " vs ", v);
+  const auto dtype = k.dtype;
+  TORCH_CHECK(dtype == v.dtype, op, "k_cache and v_cache must have one dtype");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               "cache dtype must be float32, bfloat16 or float16, got ", dtype);
-  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(query.size(2) == k_cache.size(3), op, "query head_dim ", query.size(2), " but keys have ",
-              k_cache.size(3));
+  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k.sizes[2];
+  TORCH_CHECK(query.size(2) == k.sizes[3], op, "query head_dim ", query.size(2), " but keys have ", k.sizes[3]);
   TORCH_CHECK(heads % kv_heads == 0, op, heads, " query heads are not a multiple of ", kv_heads, " KV heads");
   for (const at::Tensor* t : {&block_tables, &seq_lens}) {
     TORCH_CHECK(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, op,
@@ -565,13 +593,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && seq_lens.dim() == 1 &&
                   seq_lens.size(0) == batch,
               op, "block_tables must be [batch, max_blocks] and seq_lens [batch] for batch ", batch);
+  TORCH_CHECK(k.strides[3] == 1 && v.strides[3] == 1, op, "each cached head's values must be contiguous");
 
-  const at::Tensor k = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
-  const at::Tensor v = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
   const strata_kernels::FloatRows q(query);
-  const Shape shape{heads, kv_heads, query.size(2), v.size(3), k.size(1), k.size(0), tables.size(1),
-                    {k.stride(0), k.stride(1), k.stride(2)}, {v.stride(0), v.stride(1), v.stride(2)},
+  const Shape shape{heads, kv_heads, query.size(2), v.sizes[3], k.sizes[1], k.sizes[0], tables.size(1),
+                    {k.strides[0], k.strides[1], k.strides[2]}, {v.strides[0], v.strides[1], v.strides[2]},
                     tables.stride(0), static_cast<float>(scale), static_cast<float>(softcap), sliding_window};
 
   const at::Tensor lens_t = seq_lens.contiguous();
@@ -592,18 +619,34 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   float* o = results.data();
   switch (dtype) {
     case at::kFloat:
-      decode_attention(shape, q.data(), k.data_ptr<float>(), v.data_ptr<float>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.as<float>(), v.as<float>(), tables, lens, o);
       break;
     case at::kBFloat16:
-      decode_attention(shape, q.data(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), tables, lens,
-                       o);
+      decode_attention(shape, q.data(), k.as<c10::BFloat16>(), v.as<c10::BFloat16>(), tables, lens, o);
       break;
     default:
-      decode_attention(shape, q.data(), k.data_ptr<c10::Half>(), v.data_ptr<c10::Half>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.as<c10::Half>(), v.as<c10::Half>(), tables, lens, o);
       break;
   }
   results.finish();
   return direct ? out : out.to(query.scalar_type());
+}
+
+// query [B, H, D] (one token per sequence); k_cache [num_blocks, block_size, Hkv, D] and v_cache
+// [num_blocks, block_size, Hkv, Dv] in float32, bfloat16 or float16; block_tables [B, max_blocks] and
+// seq_lens [B] (context length including this token) int32 or int64. softcap > 0 caps the scaled scores
+// with tanh; sliding_window > 0 keeps only the last sliding_window keys. Returns [B, H, Dv] in query's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale, double softcap,
+                                  int64_t sliding_window) {
+  constexpr const char* op = "strata_cpu::paged_decode_attention: ";
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  const at::Tensor k = k_cache.stride(3) == 1 ? k_cache : k_cache.contiguous();
+  const at::Tensor v = v_cache.stride(3) == 1 ? v_cache : v_cache.contiguous();
+  return attend_cache(op, query, CacheHalf::of(k), CacheHalf::of(v), block_tables, seq_lens, scale, softcap,
+                      sliding_window);
 }
 
 // Whether each token's [Hkv, D] of `rows` lies contiguously in memory, whatever the stride between tokens.
@@ -615,50 +658,54 @@ bool token_rows_contiguous(const at::Tensor& rows) {
 // slots `slots` [T] (block * block_size + offset), which the caller checked. Rows already in the cache's
 // dtype are copied from where they lie, token by token: a decode step's values are a strided view of the
 // layer's fused q/k/v projection, and a contiguous copy of them first cost a clone per layer.
-void write_rows(const char* op, const at::Tensor& rows, const at::Tensor& cache, const at::Tensor& slots) {
-  TORCH_CHECK(rows.dim() == 3 && cache.dim() == 4, op, "rows must be [tokens, kv_heads, head_dim] and the cache ",
-              "[num_blocks, block_size, kv_heads, head_dim], got ", rows.sizes(), " and ", cache.sizes());
-  TORCH_CHECK(rows.size(0) == slots.size(0) && rows.sizes().slice(1) == cache.sizes().slice(2), op, "rows ",
-              rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache.sizes());
-  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), op,
+void write_rows(const char* op, const at::Tensor& rows, const CacheHalf& cache, const at::Tensor& slots) {
+  TORCH_CHECK(rows.dim() == 3, op, "rows must be [tokens, kv_heads, head_dim], got ", rows.sizes());
+  TORCH_CHECK(rows.size(0) == slots.size(0) && rows.size(1) == cache.sizes[2] && rows.size(2) == cache.sizes[3],
+              op, "rows ", rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache);
+  TORCH_CHECK(cache.strides[3] == 1 && cache.strides[2] == cache.sizes[3], op,
               "each cache slot must hold its heads contiguously");
-  const bool in_place = rows.scalar_type() == cache.scalar_type() && token_rows_contiguous(rows);
-  const at::Tensor src = in_place ? rows : rows.to(cache.scalar_type()).contiguous();
-  const int64_t block_size = cache.size(1), row_bytes = src.size(1) * src.size(2) * src.element_size();
+  const bool in_place = rows.scalar_type() == cache.dtype && token_rows_contiguous(rows);
+  const at::Tensor src = in_place ? rows : rows.to(cache.dtype).contiguous();
+  const int64_t block_size = cache.sizes[1], row_bytes = src.size(1) * src.size(2) * src.element_size();
   const int64_t token_bytes = src.stride(0) * src.element_size();
-  const int64_t block_bytes = cache.stride(0) * cache.element_size();
-  const int64_t slot_bytes = cache.stride(1) * cache.element_size();
+  const int64_t block_bytes = cache.strides[0] * cache.itemsize, slot_bytes = cache.strides[1] * cache.itemsize;
   const char* from = static_cast<const char*>(src.const_data_ptr());
-  char* to = static_cast<char*>(cache.data_ptr());
   const Indices slot_at(slots);
   for (int64_t t = 0; t < src.size(0); ++t) {
     const int64_t slot = slot_at[t];
-    std::memcpy(to + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes, from + t * token_bytes,
-                row_bytes);
+    std::memcpy(cache.data + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes,
+                from + t * token_bytes, row_bytes);
   }
 }
 
-// Stores this step's key [T, Hkv, D] and value [T, Hkv, Dv] at their slots of k_cache and v_cache, converting
-// to the cache's dtype: what `index_copy_` into the flattened caches does, in one call instead of two. Every
-// slot is checked before anything is written.
-void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  constexpr const char* op = "strata_cpu::write_kv_cache: ";
+// write_kv_cache on caches given as halves: every slot is checked before anything is written.
+void write_cache(const char* op, const at::Tensor& key, const at::Tensor& value, const CacheHalf& k,
+                 const CacheHalf& v, const at::Tensor& slot_mapping) {
   TORCH_CHECK(slot_mapping.dim() == 1 &&
                   (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
               op, "slot_mapping must be a 1-D int32 or int64 tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 &&
-                  k_cache.sizes().slice(0, 2) == v_cache.sizes().slice(0, 2),
-              op, "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] with one block layout");
+  TORCH_CHECK(k.same_blocks(v, 2), op,
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] with one block layout");
   const at::Tensor slots = slot_mapping.contiguous();
-  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t capacity = k.sizes[0] * k.sizes[1];
   const Indices slot_at(slots);
   for (int64_t t = 0; t < slots.size(0); ++t) {
     TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < capacity, op, "slot ", slot_at[t], " of token ", t,
                 " is outside the cache's ", capacity, " slots");
   }
-  write_rows(op, key, k_cache, slots);
-  write_rows(op, value, v_cache, slots);
+  write_rows(op, key, k, slots);
+  write_rows(op, value, v, slots);
+}
+
+// Stores this step's key [T, Hkv, D] and value [T, Hkv, Dv] at their slots of k_cache and v_cache, converting
+// to the cache's dtype: what `index_copy_` into the flattened caches does, in one call instead of two.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  constexpr const char* op = "strata_cpu::write_kv_cache: ";
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
+              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim], got ", k_cache.sizes(),
+              " and ", v_cache.sizes());
+  write_cache(op, key, value, CacheHalf::of(k_cache), CacheHalf::of(v_cache), slot_mapping);
 }
 
 // A decode step's whole attention for one layer in one call: store this step's keys and values, then attend.
@@ -668,13 +715,12 @@ at::Tensor decode_attention_with_kv_write(const at::Tensor& query, const at::Ten
                                           const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                           double softcap, int64_t sliding_window) {
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
-              "strata_cpu::decode_attention_with_kv_write: kv_cache must be [2, num_blocks, block_size, "
-              "kv_heads, head_dim], got ",
-              kv_cache.sizes());
-  const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
-  return paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, softcap, sliding_window);
+  constexpr const char* op = "strata_cpu::decode_attention_with_kv_write: ";
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, op,
+              "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
+  const CacheHalf k = CacheHalf::of_pair(kv_cache, 0), v = CacheHalf::of_pair(kv_cache, 1);
+  write_cache(op, key, value, k, v, slot_mapping);
+  return attend_cache(op, query, k, v, block_tables, seq_lens, scale, softcap, sliding_window);
 }
 
 }  // namespace
