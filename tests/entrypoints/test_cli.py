@@ -42,3 +42,5 @@ def test_user_errors_are_one_line_not_tracebacks(tmp_path: Path) -> None:
     assert "temperature" in result.stderr and "Traceback" not in result.stderr
     result = _strata("generate", "--dtype", "int4")
     assert result.returncode == 2 and "dtype" in result.stderr and "Traceback" not in result.stderr
+    result = _strata("generate", "--kv-cache-dtype", "fp8")
+    assert result.returncode == 2 and "--kv-cache-dtype" in result.stderr and "Traceback" not in result.stderr

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from strata import __version__
-from strata.config import QUANTIZATION_METHODS
+from strata.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from strata.entrypoints.layers_cli import add_layer_arguments, add_layers_parser, layer_config_kwargs
 
 
@@ -29,6 +29,12 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="dtype the KV cache stores keys and values in (default: auto, the model's dtype)",
+    )
     add_quantization_argument(parser)
     parser.add_argument(
         "--compile",
@@ -67,6 +73,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         quantization=args.quantization,
         **layer_config_kwargs(args),

@@ -71,6 +71,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
@@ -96,6 +97,7 @@ class LLM:
         cache_kwargs: dict[str, Any] = {
             "block_size": block_size,
             "enable_prefix_caching": enable_prefix_caching,
+            "kv_cache_dtype": kv_cache_dtype,
         }
         if kv_cache_memory is not None:
             cache_kwargs["kv_cache_memory"] = kv_cache_memory

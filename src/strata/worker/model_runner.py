@@ -124,13 +124,14 @@ class ModelRunner:
             else None
         )
         self._staging = StepStaging()
+        self.kv_cache_dtype = config.cache_config.cache_dtype(config.model_config.torch_dtype)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
         prepare_backend(self.device)
 
     # -- KV cache -------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.config.model_config.torch_dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.block_size * spec.num_kv_heads * spec.head_dim * itemsize for spec in self.layers)
 
     def _decide_num_blocks(self) -> int:
@@ -153,7 +154,7 @@ class ModelRunner:
         return max(min_blocks, min(wanted, affordable))
 
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
-        dtype = self.config.model_config.torch_dtype
+        dtype = self.kv_cache_dtype
         caches = {
             spec.name: torch.zeros(
                 2,
@@ -168,11 +169,12 @@ class ModelRunner:
         }
         total = self.num_blocks * self._bytes_per_block()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB) over %d layers",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB of %s) over %d layers",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             total / 2**20,
+            str(dtype).removeprefix("torch."),
             len(self.layers),
         )
         return caches

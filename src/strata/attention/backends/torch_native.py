@@ -85,8 +85,9 @@ def _decode_attention(
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[-2]
-    keys = k_cache[block_tables].flatten(1, 2)  # [B, L, Hkv, D]
-    values = v_cache[block_tables].flatten(1, 2)
+    # In the query's dtype: a 16-bit cache under a float32 model is widened here.
+    keys = k_cache[block_tables].flatten(1, 2).to(query.dtype)  # [B, L, Hkv, D]
+    values = v_cache[block_tables].flatten(1, 2).to(query.dtype)
     q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys).float() * scale
     if softcap > 0:
@@ -150,8 +151,8 @@ def attend_sequences(
         blocks = metadata.block_tables[i, first_block:last_block]
         key_offset = first_block * block_size
         num_keys = seq_len - key_offset
-        key = k_cache[blocks].flatten(0, 1)[:num_keys]
-        value = v_cache[blocks].flatten(0, 1)[:num_keys]
+        key = k_cache[blocks].flatten(0, 1)[:num_keys].to(query.dtype)
+        value = v_cache[blocks].flatten(0, 1)[:num_keys].to(query.dtype)
         out[q_start:q_end] = _attend(
             query[q_start:q_end], key, value, query_offset, key_offset, scale, softcap, sliding_window
         )

@@ -73,6 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         compile=args.compile,
         quantization=args.quantization,
