@@ -152,12 +152,14 @@ def strata_llm(
     compile_mode: str = "model",
     dtype: str = "float32",
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Any:
     """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
 
     With `compile` the forward is compiled when the engine is built (a one-token warm-up), so timed runs
     measure compiled decode, not compilation. `dtype` and `quantization` give the lower-precision variants
-    (the weights are the same float32 folder, converted or quantized as they load)."""
+    (the weights are the same float32 folder, converted or quantized as they load); `kv_cache_dtype` a 16-bit
+    KV cache under float32 weights (llama.cpp's default keeps its cache in float16)."""
     from strata import LLM, SamplingParams
 
     # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
@@ -165,6 +167,7 @@ def strata_llm(
         model=str(folder),
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         seed=0,
         skip_tokenizer_init=True,
         max_model_len=limits.max_len,
@@ -301,6 +304,7 @@ STRATA_VARIANTS: dict[str, dict[str, Any]] = {
     "strata": {},
     "strata-hw-agnostic": {"layer_impl": "hw-agnostic"},
     "strata-compiled": {"compile": True},
+    "strata-compiled-kv16": {"compile": True, "kv_cache_dtype": "float16"},
     "strata-compiled-layer": {"compile": True, "compile_mode": "layer"},
     "strata-hw-agnostic-compiled": {"layer_impl": "hw-agnostic", "compile": True},
     "strata-bf16": {"dtype": "bfloat16"},

@@ -66,9 +66,8 @@ class KernelRows:
     """A prefill or mixed step as a decode-kernel batch: each query token the kernel attends is a row with its
     sequence's block table and its own context length (its position + 1)."""
 
-    tokens: (
-        torch.Tensor | None
-    )  # [rows] the step's token indices the kernel attends; None: every token, in order
+    # [rows] the step's token indices the kernel attends; None: every token, in order
+    tokens: torch.Tensor | None
     block_tables: torch.Tensor  # [rows, max_blocks]
     seq_lens: torch.Tensor  # [rows] int32
     other_seqs: list[int]  # sequences left to torch_native
