@@ -407,30 +407,32 @@ def test_greedy_output_is_the_same_with_the_kernel_off(
     assert all(len(tokens) == 40 for tokens in with_kernel)
 
 
-def _rows(layout: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(layout: str, generator: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [20, 3, 8]: contiguous; views of one fused q/k/v row per token (a decode step's, whose
     tokens are 72 floats apart); or with the heads of each token apart (each head's 8 values 24 apart)."""
     if layout == "contiguous":
-        key, value = torch.randn(2, 20, 3, 8, generator=generator)
+        key, value = torch.randn(2, 20, 3, 8, generator=generator).to(dtype)
         return key, value
     if layout == "fused rows":
-        fused = torch.randn(20, 72, generator=generator)
+        fused = torch.randn(20, 72, generator=generator).to(dtype)
         return fused[:, 24:48].view(20, 3, 8), fused[:, 48:].view(20, 3, 8)
-    key, value = torch.randn(2, 20, 8, 3, generator=generator).transpose(2, 3)
+    key, value = torch.randn(2, 20, 8, 3, generator=generator).to(dtype).transpose(2, 3)
     return key, value
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "fused rows", "heads apart"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_cache_write_stores_what_index_copy_stores(
-    cache_dtype: torch.dtype, slot_dtype: torch.dtype, layout: str
+    cache_dtype: torch.dtype, slot_dtype: torch.dtype, layout: str, rows_dtype: torch.dtype
 ) -> None:
-    """Float32 keys and values into a cache of each dtype, at scattered slots in shuffled blocks, from
-    contiguous rows and from strided views (read where they lie when the dtypes match)."""
+    """Keys and values into a cache of each dtype, at scattered slots in shuffled blocks, from contiguous
+    rows and from strided views (read where they lie when the dtypes match, or rounded on the way from
+    float32 into a 16-bit cache), rounded as `to()` rounds."""
     generator = torch.Generator().manual_seed(0)
     kv_cache = torch.randn(2, 7, BLOCK_SIZE, 3, 8, generator=generator).to(cache_dtype)
-    key, value = _rows(layout, generator)
+    key, value = _rows(layout, generator, rows_dtype)
     assert key.is_contiguous() == (layout == "contiguous")
     slots = torch.randperm(7 * BLOCK_SIZE, generator=generator)[:20].to(slot_dtype)
     expected = kv_cache.clone()

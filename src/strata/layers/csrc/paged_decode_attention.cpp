@@ -654,27 +654,43 @@ bool token_rows_contiguous(const at::Tensor& rows) {
   return (rows.size(2) <= 1 || rows.stride(2) == 1) && (rows.size(1) <= 1 || rows.stride(1) == rows.size(2));
 }
 
+// Rounds n float32 values into a 16-bit cache's dtype as `to()` does (to nearest, ties to even).
+template <typename T>
+void narrow_into(char* to, const char* from, int64_t n) {
+  const float* source = reinterpret_cast<const float*>(from);
+  T* target = reinterpret_cast<T*>(to);
+  for (int64_t i = 0; i < n; ++i) target[i] = static_cast<T>(source[i]);
+}
+
 // Copies `rows` [T, Hkv, D] (any floating dtype) into `cache` [num_blocks, block_size, Hkv, D] at the flat
-// slots `slots` [T] (block * block_size + offset), which the caller checked. Rows already in the cache's
-// dtype are copied from where they lie, token by token: a decode step's values are a strided view of the
-// layer's fused q/k/v projection, and a contiguous copy of them first cost a clone per layer.
+// slots `slots` [T] (block * block_size + offset), which the caller checked. Rows in the cache's dtype, or
+// float32 rows for a 16-bit cache, are read from where they lie, token by token (and rounded on the way):
+// a decode step's values are a strided view of the layer's fused q/k/v projection, and a contiguous or
+// converted copy of them first cost a tensor per layer.
 void write_rows(const char* op, const at::Tensor& rows, const CacheHalf& cache, const at::Tensor& slots) {
   TORCH_CHECK(rows.dim() == 3, op, "rows must be [tokens, kv_heads, head_dim], got ", rows.sizes());
   TORCH_CHECK(rows.size(0) == slots.size(0) && rows.size(1) == cache.sizes[2] && rows.size(2) == cache.sizes[3],
               op, "rows ", rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache);
   TORCH_CHECK(cache.strides[3] == 1 && cache.strides[2] == cache.sizes[3], op,
               "each cache slot must hold its heads contiguously");
-  const bool in_place = rows.scalar_type() == cache.dtype && token_rows_contiguous(rows);
+  const bool narrows = rows.scalar_type() == at::kFloat && (cache.dtype == at::kBFloat16 || cache.dtype == at::kHalf);
+  const bool in_place = (rows.scalar_type() == cache.dtype || narrows) && token_rows_contiguous(rows);
   const at::Tensor src = in_place ? rows : rows.to(cache.dtype).contiguous();
-  const int64_t block_size = cache.sizes[1], row_bytes = src.size(1) * src.size(2) * src.element_size();
+  const int64_t block_size = cache.sizes[1], elements = src.size(1) * src.size(2);
   const int64_t token_bytes = src.stride(0) * src.element_size();
   const int64_t block_bytes = cache.strides[0] * cache.itemsize, slot_bytes = cache.strides[1] * cache.itemsize;
   const char* from = static_cast<const char*>(src.const_data_ptr());
   const Indices slot_at(slots);
   for (int64_t t = 0; t < src.size(0); ++t) {
     const int64_t slot = slot_at[t];
-    std::memcpy(cache.data + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes,
-                from + t * token_bytes, row_bytes);
+    char* to = cache.data + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes;
+    if (src.scalar_type() == cache.dtype) {
+      std::memcpy(to, from + t * token_bytes, elements * cache.itemsize);
+    } else if (cache.dtype == at::kHalf) {
+      narrow_into<c10::Half>(to, from + t * token_bytes, elements);
+    } else {
+      narrow_into<c10::BFloat16>(to, from + t * token_bytes, elements);
+    }
   }
 }
 
