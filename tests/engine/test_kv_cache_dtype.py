@@ -66,3 +66,19 @@ def test_the_same_cache_memory_holds_twice_the_blocks_in_16_bits() -> None:
 def test_other_cache_dtypes_are_refused_by_name(value: object) -> None:
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16"):
         CacheConfig(kv_cache_dtype=value)  # type: ignore[arg-type]
+
+
+def test_the_compiled_forward_reads_and_writes_a_16_bit_cache_as_eager_does() -> None:
+    """The compiled pieces write float32 keys and values into a float16 cache through the same ops."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    prompts = [PROMPT, "Lily had a dog"]
+    runs = []
+    for compile in (False, True):
+        llm = LLM(kv_cache_dtype="float16", compile=compile)
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+    for eager, compiled in zip(*runs, strict=True):
+        assert compiled.outputs[0].token_ids == eager.outputs[0].token_ids
+        for token, eager_entry, compiled_entry in zip(
+            eager.outputs[0].token_ids, eager.outputs[0].logprobs, compiled.outputs[0].logprobs, strict=True
+        ):
+            assert compiled_entry[token].logprob == pytest.approx(eager_entry[token].logprob, abs=1e-4)
