@@ -271,6 +271,28 @@ def test_prefill_and_mixed_steps_attend_each_query_token_as_a_kernel_row(
     torch.testing.assert_close(out.float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "sliding_window"), [(0.0, 0), (2.0, 20)])
+@pytest.mark.parametrize("query_lens", [[1, 1, 17, 1, 100], [1, 16, 17, 1, 3], [1, 1, 1, 50, 100]])
+def test_reference_mixed_steps_attend_their_decodes_together_as_one_sdpa_call_each_would(
+    dtype: torch.dtype, softcap: float, sliding_window: int, query_lens: list[int]
+) -> None:
+    """torch_native (every device's backend) batches a mixed step's one-token sequences through its decode
+    path; the result is what one causal SDPA call per sequence gives."""
+    _, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(9, 3, 64, dtype)
+    kv_cache = torch.stack([k_cache, v_cache])
+    metadata = _metadata(query_lens, block_tables, seq_lens)
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(sum(query_lens), 9, 64, generator=generator).to(dtype)
+    settings = (0.125, softcap, sliding_window)
+    out = torch_native.paged_attention(queries, kv_cache, metadata, *settings)
+    expected = torch.empty_like(out)
+    torch_native.attend_sequences(
+        queries, k_cache, v_cache, metadata, range(len(query_lens)), expected, *settings
+    )
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
 def test_kernel_rows_are_each_tokens_position_in_its_sequence() -> None:
     """Row lengths count the cached context before a chunk; a sequence the kernel serves worse is left out."""
     _, _, _, block_tables, seq_lens = _paged_inputs(4, 4, 16, torch.float32)

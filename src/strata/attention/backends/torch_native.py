@@ -118,9 +118,28 @@ def paged_attention(
             query, k_cache, v_cache, metadata.block_tables, metadata.seq_lens, scale, softcap, sliding_window
         )
     out = query.new_empty(query.shape[0], query.shape[1], v_cache.shape[-1])
-    attend_sequences(
-        query, k_cache, v_cache, metadata, range(metadata.num_seqs), out, scale, softcap, sliding_window
-    )
+    starts = metadata.query_start_loc_host
+    decoding = [i for i in range(metadata.num_seqs) if starts[i + 1] - starts[i] == 1]
+    if len(decoding) < 2:
+        decoding = []  # nothing to batch
+    else:
+        # A mixed step's decoding sequences attend together, as a decode step's do, not one SDPA call each.
+        seqs = torch.tensor(decoding, device=query.device)
+        rows = torch.tensor([starts[i] for i in decoding], device=query.device)
+        attended = _decode_attention(
+            query.index_select(0, rows),
+            k_cache,
+            v_cache,
+            metadata.block_tables.index_select(0, seqs),
+            metadata.seq_lens.index_select(0, seqs),
+            scale,
+            softcap,
+            sliding_window,
+        )
+        out.index_copy_(0, rows, attended)
+    batched = set(decoding)
+    others = [i for i in range(metadata.num_seqs) if i not in batched]
+    attend_sequences(query, k_cache, v_cache, metadata, others, out, scale, softcap, sliding_window)
     return out
 
 
