@@ -5,6 +5,8 @@ errors, and fake implementations that `torch.compile` traces with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -59,6 +61,22 @@ def test_kernel_matches_forward_native(
     x_before, residual_before = x.clone(), residual.clone()
     _assert_matches_native(_norm(cls, hidden, dtype), x, residual if with_residual else None)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)  # the op is functional
+
+
+@pytest.mark.parametrize("cls", NORMS)
+@pytest.mark.parametrize(("rows", "hidden"), [(32, 576), (15, 576), (200, 1000)])
+def test_rows_split_over_threads_give_one_threads_results(
+    cls: type, rows: int, hidden: int, threads: Callable[[int], None]
+) -> None:
+    """A decode step's 32 rows of 576 are split over two threads; each row is the same as on one."""
+    x, residual = _inputs((rows, hidden), torch.float32)
+    norm = _norm(cls, hidden, torch.float32)
+    threads(2)
+    split = norm.forward_cpu(x, residual)
+    threads(1)
+    whole = norm.forward_cpu(x, residual)
+    assert all(torch.equal(a, b) for a, b in zip(split, whole, strict=True))
+    _assert_matches_native(norm, x, residual)
 
 
 @pytest.mark.parametrize("cls", NORMS)

@@ -49,8 +49,12 @@ using strata_kernels::load_native;
 using strata_kernels::load_native_n;
 
 // Rows are split over threads only when each thread gets at least this many elements: below it waking a
-// second thread costs more than the work it takes over (a row of a few thousand elements takes ~1 us).
-constexpr int64_t kMinElementsPerThread = 64 * 1024;
+// second thread costs more than the work it takes over (a row of a few thousand elements takes ~1 us). In a
+// decode step the norm reads rows the GEMM before it just wrote on both cores, and runs slower than alone:
+// from 64K down to 8K elements (SmolLM's 32 rows of 576 now split in two), decode steps at 32 requests ran
+// 1.010-1.012x faster (steps alternated in one engine, 2 threads, Zen 4), at 16 requests 1.006x, and
+// stories15M's 32 rows of 288 0.998x (within noise).
+constexpr int64_t kMinElementsPerThread = 8 * 1024;
 
 // v rounded to the nearest-even bfloat16, as float32 bits (low half zero); NaN becomes c10's 0x7fc0.
 inline Bits32 bf16_bits(Tile v) {
