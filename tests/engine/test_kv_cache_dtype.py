@@ -59,7 +59,10 @@ def test_the_same_cache_memory_holds_twice_the_blocks_in_16_bits() -> None:
     narrow = LLM(kv_cache_memory=budget, kv_cache_dtype="bfloat16").engine.runner
     assert {cache.dtype for cache in wide.kv_caches.values()} == {torch.float32}
     assert narrow.num_blocks // 2 == wide.num_blocks  # the budget divided by half the bytes a block
-    assert LLM(kv_cache_dtype="float32").engine.runner.kv_caches.keys() == wide.kv_caches.keys()
+    # Naming the model's own dtype is the same cache as "auto".
+    explicit = LLM(kv_cache_memory=budget, kv_cache_dtype="float32").engine.runner
+    assert {cache.dtype for cache in explicit.kv_caches.values()} == {torch.float32}
+    assert explicit.num_blocks == wide.num_blocks
 
 
 @pytest.mark.parametrize("value", ["fp8", "int8", "half", None, torch.float16])
