@@ -58,24 +58,15 @@ _ATTENTION_IMPLS = {overload: op.impl for op in ATTENTION_OPS for overload in op
 # ops' fake implementations, which the tests compare with eager.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "alignment_asserts": False}
 
-# Added for pieces that run on the CPU. On the CPU Inductor lowers every `cat` to a copy into each slice of
-# a buffer, its own loop each: HF's rotary embedding (`cat((-x2, x1))` of each half) became eight loops
-# with a barrier between each and four scratch buffers per layer; as a pointwise op the cat fuses into the
-# rotation: a loop for q and one for k. Decode steps with engines alternated (Zen 4, 2 threads): SmolLM-135M
-# 1.042x at batch 1 and 1.015x at 32, stories15M 1.064x at batch 1; a 512-token prefill 0.99x.
-CPU_INDUCTOR_OPTIONS: dict[str, Any] = {"force_pointwise_cat": True}
-
 
 def piece_options(inputs: Sequence[Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Inductor settings for one piece: `INDUCTOR_OPTIONS` (and `CPU_INDUCTOR_OPTIONS` on the CPU) under the
-    engine's `overrides`, with the C++ wrapper for a CPU piece that takes no opaque value. The C++ wrapper
-    calls the piece's ops without a Python line between them (a third less overhead per piece call at batch
-    1), but it cannot pass an opaque value such as a `LayerName` to an op, which a piece takes when the KV
-    write is not fused into attention."""
+    """Inductor settings for one piece: `INDUCTOR_OPTIONS` and the engine's `overrides`, with the C++ wrapper
+    for a CPU piece that takes no opaque value. The C++ wrapper calls the piece's ops without a Python line
+    between them (a third less overhead per piece call at batch 1), but it cannot pass an opaque value such
+    as a `LayerName` to an op, which a piece takes when the KV write is not fused into attention."""
     on_cpu = all(value.device.type == "cpu" for value in inputs if isinstance(value, torch.Tensor))
     opaque = any(isinstance(value, OpaqueBase) for value in inputs)
-    platform = CPU_INDUCTOR_OPTIONS if on_cpu else {}
-    return {**INDUCTOR_OPTIONS, **platform, **overrides, "cpp_wrapper": on_cpu and not opaque}
+    return {**INDUCTOR_OPTIONS, **overrides, "cpp_wrapper": on_cpu and not opaque}
 
 
 @dataclass

@@ -18,7 +18,6 @@ from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from strata import __version__, envs
 from strata.compilation.backend import (
-    CPU_INDUCTOR_OPTIONS,
     INDUCTOR_OPTIONS,
     CompiledGraph,
     CompileStats,
@@ -54,7 +53,6 @@ def cache_key(config: EngineConfig) -> str:
         # The traced graph calls the kernels' ops where they load, with the schemas their sources define.
         "cpu_kernels": None if envs.disable_cpu_kernels() else cpu_kernels.sources_digest(),
         "inductor": sorted({**INDUCTOR_OPTIONS, **compilation.inductor_compile_config}.items()),
-        "inductor_cpu": sorted(CPU_INDUCTOR_OPTIONS.items()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
