@@ -133,6 +133,45 @@ def test_below_four_rows_only_weights_of_a_megabyte_read_their_panels() -> None:
     del packed
 
 
+def _mapping_of(address: int) -> dict[str, str] | None:
+    """The /proc/self/smaps entry (range and fields) of the mapping holding `address`, or None."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            if entry is not None and entry["found"] == "yes":
+                return entry
+            start, end = (int(part, 16) for part in head.split("-"))
+            entry = {"start": str(start), "end": str(end), "found": "yes" if start <= address < end else "no"}
+        elif entry is not None and ":" in head:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return entry if entry is not None and entry["found"] == "yes" else None
+
+
+def test_panels_of_two_megabytes_and_more_get_their_own_huge_page_mapping() -> None:
+    """A 4 MB weight's panels start on a 2 MB boundary of a mapping advised for huge pages (eligible for
+    them whenever the kernel's THP setting is not "never"), compute what the weight does, and the mapping is
+    gone once the panels are freed."""
+    if not _has_avx512():
+        pytest.skip("float32 weights are packed into panels only on AVX-512 CPUs")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.is_file() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this machine")
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(1024, 1024, generator=generator), torch.randn(8, 1024, generator=generator)
+    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    address = packed.data_ptr()
+    mapping = _mapping_of(address)
+    assert mapping is not None and address == int(mapping["start"]) and address % (2 << 20) == 0
+    assert int(mapping["end"]) - address == packed.numel() * 4  # 4 MB: a whole number of pages
+    assert mapping["THPeligible"] == "1"
+    torch.testing.assert_close(
+        torch.ops.strata_cpu.linear(x, weight, None, None), x @ weight.T, rtol=1e-5, atol=1e-4
+    )
+    del packed
+    assert _mapping_of(address) is None
+
+
 def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
     first = linear.Linear(96, 130)
     second = linear.Linear(96, 130)

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 
 #include "float_tiles.h"
+#include "huge_pages.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -59,10 +60,10 @@ inline int64_t panel_width(int64_t columns) {
 inline int64_t panel_count(int64_t N) { return (N + kPanelColumns - 1) / kPanelColumns; }
 
 // weight [N, K] float32, contiguous, as panels: a 1-D float32 tensor of N rounded up to a tile times K
-// elements, the padding columns zero.
+// elements, the padding columns zero; read whole every step, so in memory advised for huge pages.
 inline at::Tensor pack_panels(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
-  at::Tensor packed = at::empty({(N + kLanes - 1) / kLanes * kLanes * K}, weight.options());
+  at::Tensor packed = empty_huge_page_backed((N + kLanes - 1) / kLanes * kLanes * K, weight.options());
   const float* w = weight.data_ptr<float>();
   float* p = packed.data_ptr<float>();
   at::parallel_for(0, panel_count(N), 1, [&](int64_t begin, int64_t end) {
