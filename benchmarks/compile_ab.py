@@ -176,18 +176,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=1, help="requests decoded together")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request")
     parser.add_argument("--repeats", type=int, default=2, help="batches of fresh prompts")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads(N); default: torch's own"
-    )
-    parser.add_argument("--model-dir", type=Path, default=throughput.REPO_ROOT / "bench_models")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON report to this file")
+    throughput.add_run_options(parser)
     args = parser.parse_args(argv)
     if args.new_tokens < 3:
         parser.error(f"--new-tokens must be at least 3 (the first step is untimed), got {args.new_tokens}")
-    for option in ("concurrency", "repeats", "threads"):
-        value = getattr(args, option)
-        if value is not None and value < 1:
-            parser.error(f"--{option} must be at least 1, got {value}")
+    throughput.require_at_least_one(parser, args, ("concurrency", "repeats", "threads"))
     return args
 
 
@@ -230,10 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         **summarize(seconds),
         "greedy_match": tokens["A"] == tokens["B"],
     }
-    text = json.dumps(report, indent=2)
-    if args.json_out is not None:
-        args.json_out.write_text(text + "\n")
-    print(f"{text}\n\n{format_table(report)}")
+    throughput.print_report(report, format_table(report), args.json_out)
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -202,18 +201,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per run, the first untimed")
     parser.add_argument("--repeats", type=int, default=3, help="runs, each from a fresh prompt cache")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads(N); default: torch's own"
-    )
-    parser.add_argument("--model-dir", type=Path, default=throughput.REPO_ROOT / "bench_models")
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON report to this file")
+    throughput.add_run_options(parser)
     args = parser.parse_args(argv)
     if args.new_tokens < 2:
         parser.error(f"--new-tokens must be at least 2 (the first token is untimed), got {args.new_tokens}")
-    for option in ("repeats", "threads"):
-        value = getattr(args, option)
-        if value is not None and value < 1:
-            parser.error(f"--{option} must be at least 1, got {value}")
+    throughput.require_at_least_one(parser, args, ("repeats", "threads"))
     if len(set(args.engines)) != len(args.engines) or len(args.engines) < 2:
         parser.error("--engines needs at least two different engines")
     return args
@@ -250,10 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         **summarize(seconds, tokens),
     }
-    text = json.dumps(report, indent=2)
-    if args.json_out is not None:
-        args.json_out.write_text(text + "\n")
-    print(f"{text}\n\n{format_table(report)}")
+    throughput.print_report(report, format_table(report), args.json_out)
     return 0
 
 

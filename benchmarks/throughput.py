@@ -870,6 +870,38 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--threads, --model-dir and --json-out, which every benchmark script takes."""
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads(N); default: torch's own"
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=REPO_ROOT / "bench_models",
+        help="where the random-weight model folders are cached (default: bench_models/ in the repo)",
+    )
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON report to this file")
+
+
+def require_at_least_one(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, options: Sequence[str]
+) -> None:
+    """`parser.error` for the first of `options` (attribute names) given below 1."""
+    for option in options:
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+
+
+def print_report(report: dict[str, Any], table: str, json_out: Path | None) -> None:
+    """The JSON report, a blank line and the table on stdout (and the JSON into `json_out`, if given)."""
+    text = json.dumps(report, indent=2)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+    print(f"{text}\n\n{table}")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -902,21 +934,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs per engine; the median is reported"
     )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads(N); default: torch's own"
-    )
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=REPO_ROOT / "bench_models",
-        help="where the random-weight model folders are cached (default: bench_models/ in the repo)",
-    )
-    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON report to this file")
+    add_run_options(parser)
     args = parser.parse_args(argv)
-    for option in ("new_tokens", "repeats", "threads"):
-        value = getattr(args, option)
-        if value is not None and value < 1:
-            parser.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    require_at_least_one(parser, args, ("new_tokens", "repeats", "threads"))
     if args.prefill_len < 0:
         parser.error(f"--prefill-len must be 0 (off) or positive, got {args.prefill_len}")
     for model in args.models:
