@@ -164,6 +164,8 @@ def test_panels_of_two_megabytes_and_more_get_their_own_huge_page_mapping() -> N
     mapping = _mapping_of(address)
     assert mapping is not None and address == int(mapping["start"]) and address % (2 << 20) == 0
     assert int(mapping["end"]) - address == packed.numel() * 4  # 4 MB: a whole number of pages
+    if "THPeligible" not in mapping:
+        pytest.skip("this kernel's smaps does not say which mappings may get huge pages")
     assert mapping["THPeligible"] == "1"
     torch.testing.assert_close(
         torch.ops.strata_cpu.linear(x, weight, None, None), x @ weight.T, rtol=1e-5, atol=1e-4
