@@ -6,8 +6,9 @@
 // (`MADV_HUGEPAGE`, honoured when /sys/kernel/mm/transparent_hugepage/enabled is "madvise" or "always"),
 // decode steps ran 1.029-1.043x faster at batch 1 (89-94% of the steps) and 1.006x at 32 requests, measured
 // in one engine whose steps alternated between two copies of the same panels allocated together, one
-// advised and one not (SmolLM-135M, Zen 4 VM, 2 threads). Elsewhere (not Linux, or a kernel without the
-// advice) the tensor is an ordinary one.
+// advised and one not (SmolLM-135M, Zen 4 VM, 2 threads; there the panels of 1-2 MB, the q and o
+// projections, had huge pages too, rounded up; here tensors under 2 MB keep 4 KB pages rather than waste
+// most of a huge page). Elsewhere (not Linux, or a kernel without the advice) the tensor is an ordinary one.
 #pragma once
 
 #include <ATen/core/Tensor.h>
