@@ -73,7 +73,7 @@ class TwoForwards:
             max_model_len=limits.max_len,
             max_num_seqs=limits.max_batch,
             compile=True,
-            adaptive_threads=False,  # the thread count stays fixed, as it would not within one engine's A/B
+            adaptive_threads=False,  # a thread-count probe would slow whichever forward ran its steps
             compilation_config={**b, "mode": "model"},
         )
         self.engine = self.llm.engine
