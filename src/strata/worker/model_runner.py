@@ -131,7 +131,7 @@ class ModelRunner:
 
     # -- KV cache -------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        itemsize = self.kv_cache_dtype.itemsize
         return sum(2 * self.block_size * spec.num_kv_heads * spec.head_dim * itemsize for spec in self.layers)
 
     def _decide_num_blocks(self) -> int:
