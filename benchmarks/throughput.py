@@ -28,6 +28,11 @@ close it came to the two limits:
 - `flop%best` (`flop_fraction_best`): the same against the faster of `torch.mm` and oneDNN. On CPUs where
   `torch.mm`'s BLAS is far from the machine's peak (MKL on AMD runs float32 at about half oneDNN's rate),
   this is the honest share of the compute limit.
+- `flop%work` (`work_flop_fraction`): the matmul FLOPs the run really did, per second, against the `torch.mm`
+  rate. `flop%` credits output tokens only, so the time a run spends on its prompts counts against it; here
+  every sequence's prompt and generated tokens but the last go through the layers (2 * (params - head) each)
+  and each generated token through the LM head (2 * head_params), as vLLM's total-token throughput counts
+  prompts. Decode rows also give `total_tokens_per_s` (prompt and output tokens per second).
 
 Prefill. `--prefill-len N` (default 512; 0 turns it off) times, for each engine, one prompt of N random ids
 that produces a single token: the time is the prompt's forward pass. Engines for it are built again with
@@ -370,10 +375,12 @@ def model_weights(folder: Path) -> dict[str, int]:
 
     `params` and `bytes` count every stored tensor; `matmul_params` and `matmul_bytes` leave out an untied
     input embedding table (a token reads one row of it), so they are what one decode step multiplies by and
-    reads. A tied table is stored once and counted once, as the LM head."""
+    reads. A tied table is stored once and counted once, as the LM head. `head_params`: the LM head's share
+    of `matmul_params`, which only the positions that produce a token multiply by."""
     config = json.loads((folder / "config.json").read_text())
     shapes = _safetensors_shapes(folder / "model.safetensors")
     params = total_bytes = matmul_params = matmul_bytes = 0
+    head = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
     for name, (dtype, shape) in shapes.items():
         count = math.prod(shape)
         nbytes = count * _DTYPE_BYTES[dtype]
@@ -388,6 +395,7 @@ def model_weights(folder: Path) -> dict[str, int]:
         "bytes": total_bytes,
         "matmul_params": matmul_params,
         "matmul_bytes": matmul_bytes,
+        "head_params": math.prod(shapes[head][1]),
     }
 
 
@@ -588,10 +596,24 @@ def measure_roofline(
     }
 
 
+def work_flops(weights: dict[str, int], sequences: int, prompt_len: int, new_tokens: int) -> int:
+    """Matmul FLOPs of generating `new_tokens` after a prompt of `prompt_len`, for each of `sequences`: every
+    position but the last generated one goes through the layers, and each generated token's through the head."""
+    head = weights["head_params"]
+    layers = weights["matmul_params"] - head
+    return sequences * 2 * (layers * (prompt_len + new_tokens - 1) + head * new_tokens)
+
+
 def _limit_fields(
-    engine: str, weights: dict[str, int], roofline: dict[str, Any], tokens_per_s: float, decode_batch1: bool
+    engine: str,
+    weights: dict[str, int],
+    roofline: dict[str, Any],
+    tokens_per_s: float,
+    decode_batch1: bool,
+    flops_per_s: float,
 ) -> dict[str, Any]:
-    """params, weight_bytes and the fractions of the bandwidth (batch-1 decode only) and compute limits."""
+    """params, weight_bytes and the fractions of the bandwidth (batch-1 decode only) and compute limits, for
+    a row of `tokens_per_s` output tokens whose run did `flops_per_s` matmul FLOPs in all (`work_flops`)."""
     params = weights["matmul_params"]
     weight_bytes = params * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
     bandwidth = roofline["memory_read_gb_s"] * 1e9
@@ -601,6 +623,7 @@ def _limit_fields(
         "bw_fraction": tokens_per_s * weight_bytes / bandwidth if decode_batch1 else None,
         "flop_fraction": tokens_per_s * 2 * params / (roofline["matmul_fp32_gflop_s"] * 1e9),
         "flop_fraction_best": tokens_per_s * 2 * params / (roofline["matmul_fp32_best_gflop_s"] * 1e9),
+        "work_flop_fraction": flops_per_s / (roofline["matmul_fp32_gflop_s"] * 1e9),
     }
 
 
@@ -665,13 +688,17 @@ def bench_model(
                 "concurrency": concurrency,
                 "engine": name,
                 "tokens_per_s": concurrency * new_tokens / median,
+                "total_tokens_per_s": concurrency * (PROMPT_LEN + new_tokens) / median,
                 "median_s": median,
                 "runs_s": runs[name],
             }
             if name in SEQUENTIAL_ENGINES:
                 row["sequential"] = True
             if roofline is not None:
-                row.update(_limit_fields(name, weights, roofline, row["tokens_per_s"], concurrency == 1))
+                flops_per_s = work_flops(weights, concurrency, PROMPT_LEN, new_tokens) / median
+                row.update(
+                    _limit_fields(name, weights, roofline, row["tokens_per_s"], concurrency == 1, flops_per_s)
+                )
             results.append(row)
         if BASELINE not in engines:
             continue
@@ -752,8 +779,10 @@ def bench_prefill(
             "runs_s": runs[name],
         }
         if roofline is not None:
-            limit = _limit_fields(name, weights, roofline, row["prompt_tokens_per_s"], decode_batch1=False)
-            row.update({key: limit[key] for key in ("params", "flop_fraction", "flop_fraction_best")})
+            flops_per_s = work_flops(weights, 1, prefill_len, 1) / median
+            limit = _limit_fields(name, weights, roofline, row["prompt_tokens_per_s"], False, flops_per_s)
+            keys = ("params", "flop_fraction", "flop_fraction_best", "work_flop_fraction")
+            row.update({key: limit[key] for key in keys})
         rows.append(row)
     ratios: list[dict[str, Any]] = []
     if BASELINE in engines:
@@ -799,8 +828,8 @@ def format_roofline(roofline: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """One line per (model, concurrency, engine): tok/s, the ratio to the baseline and the limit fractions.
 
-    `bw%` is the share of the memory-bandwidth limit (batch-1 decode only), `flop%` of the fp32 compute one.
-    A prefill table follows when the report has prefill rows."""
+    `bw%` is the share of the memory-bandwidth limit (batch-1 decode only), `flop%` of the fp32 compute one
+    counting output tokens, `flop%work` counting every matmul the run did (prompts too). A prefill table follows when the report has prefill rows."""
     ratio = {(r["model"], r["concurrency"], r["engine"]): r["ratio"] for r in report["ratios"]}
     vs = f"vs {BASELINE}"
     lines = [
@@ -813,10 +842,12 @@ def format_table(report: dict[str, Any]) -> str:
             _percent(r.get("bw_fraction")),
             _percent(r.get("flop_fraction")),
             _percent(r.get("flop_fraction_best")),
+            _percent(r.get("work_flop_fraction")),
         ]
         for r in report["results"]
     ]
-    rendered = _render(["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%", "flop%best"], lines)
+    header = ["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%", "flop%best", "flop%work"]
+    rendered = _render(header, lines)
     checks = [
         f"{r['model']} {r['engine']}: {'match' if r['greedy_match'] else 'MISMATCH'}"
         for r in report["ratios"]
@@ -842,12 +873,16 @@ def format_table(report: dict[str, Any]) -> str:
                 else "-",
                 _percent(r.get("flop_fraction")),
                 _percent(r.get("flop_fraction_best")),
+                _percent(r.get("work_flop_fraction")),
             ]
             for r in prefill
         ]
         rendered.append("")
         rendered.extend(
-            _render(["model", "prompt", "engine", "prompt tok/s", vs, "flop%", "flop%best"], prefill_lines)
+            _render(
+                ["model", "prompt", "engine", "prompt tok/s", vs, "flop%", "flop%best", "flop%work"],
+                prefill_lines,
+            )
         )
     return "\n".join(rendered)
 

@@ -75,6 +75,15 @@ def test_tiny_run_reports_rows_ratios_and_table(
         assert row["flop_fraction_best"] == pytest.approx(
             row["tokens_per_s"] * 2 * row["params"] / (roofline["matmul_fp32_best_gflop_s"] * 1e9)
         )
+        # Each sequence: its prompt and 4 generated tokens; all but the last through the layers, 4 through the head.
+        head = weights["head_params"]
+        flops = concurrency * 2 * ((row["params"] - head) * (harness.PROMPT_LEN + 4 - 1) + head * 4)
+        assert row["work_flop_fraction"] == pytest.approx(
+            flops / row["median_s"] / (roofline["matmul_fp32_gflop_s"] * 1e9)
+        )
+        assert row["total_tokens_per_s"] == pytest.approx(
+            concurrency * (harness.PROMPT_LEN + 4) / row["median_s"]
+        )
         if concurrency == 1:
             assert row["bw_fraction"] == pytest.approx(
                 row["tokens_per_s"] * row["weight_bytes"] / (roofline["memory_read_gb_s"] * 1e9)
@@ -96,6 +105,11 @@ def test_tiny_run_reports_rows_ratios_and_table(
         assert row["prompt_len"] == 64 and len(row["runs_s"]) == 1
         assert row["prompt_tokens_per_s"] == pytest.approx(64 / row["median_s"])
         assert row["flop_fraction"] > 0
+        # The prompt's 64 positions through the layers, the last one's through the head too.
+        flops = 2 * ((row["params"] - weights["head_params"]) * 64 + weights["head_params"])
+        assert row["work_flop_fraction"] == pytest.approx(
+            flops / row["median_s"] / (roofline["matmul_fp32_gflop_s"] * 1e9)
+        )
     (prefill_ratio,) = report["prefill_ratios"]
     assert prefill_ratio["engine"] == "strata" and prefill_ratio["baseline"] == "transformers"
     assert prefill_ratio["ratio"] == pytest.approx(
@@ -117,6 +131,7 @@ def test_tiny_run_reports_rows_ratios_and_table(
         "bw%",
         "flop%",
         "flop%best",
+        "flop%work",
     ]
     assert [row[1:3] for row in decode[2:]] == [
         ["1", "strata"],
@@ -137,6 +152,7 @@ def test_tiny_run_reports_rows_ratios_and_table(
         "vs transformers",
         "flop%",
         "flop%best",
+        "flop%work",
     ]
     assert [row[:3] for row in prefill_table[2:]] == [
         ["tiny", "64", "strata"],
@@ -214,6 +230,7 @@ def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pyte
         "bytes": 4 * (matmul + embedding),
         "matmul_params": matmul,
         "matmul_bytes": 4 * matmul,
+        "head_params": embedding,
     }
     # A tied table is stored once and read per token as the head.
     tied = harness.model_weights(harness.ensure_model_folder("tiny-tied", tmp_path))
@@ -222,6 +239,7 @@ def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pyte
         "bytes": 4 * matmul,
         "matmul_params": matmul,
         "matmul_bytes": 4 * matmul,
+        "head_params": embedding,
     }
 
 
