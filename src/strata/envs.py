@@ -93,3 +93,10 @@ def adaptive_threads_default() -> bool:
     """STRATA_ADAPTIVE_THREADS: let the engine lower (and raise again) its CPU thread count when measured
     steps show that fewer threads are faster, as when another process takes a core (on)."""
     return _get_bool("STRATA_ADAPTIVE_THREADS", True)
+
+
+def cpu_kernel_target() -> str:
+    """STRATA_CPU_KERNEL_TARGET: the CPU Strata's C++ kernels are compiled for (`-march`/`-mcpu`); default
+    `native`, this machine. Another value (`x86-64-v3`: AVX2 without AVX-512) builds them for older CPUs of
+    the family, as a cache shared between machines needs, or to test their paths here."""
+    return os.environ.get("STRATA_CPU_KERNEL_TARGET") or "native"

@@ -4,6 +4,7 @@ every HF Linear of a built model replaced."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata import LLM, SamplingParams
+from strata import LLM, SamplingParams, envs
 from strata.config import ConfigError
 from strata.hw_agnostic.layers import linear as hw_linear
 from strata.layers import cpu_kernels, linear
@@ -30,6 +31,18 @@ pytestmark = pytest.mark.skipif(
 # The kernel takes up to 8 rows and in blocks of 4; 9 and 40 rows go to ATen inside the same op.
 ROWS = [1, 3, 4, 5, 8, 9, 40]
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 5e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@functools.cache
+def _has_avx512() -> bool:
+    """Whether the kernels are compiled with AVX-512 (what their panel GEMM needs): the compiler's own macros
+    for their target (`STRATA_CPU_KERNEL_TARGET`, this CPU by default), not the CPU's flags."""
+    compiler = os.environ.get("CXX") or "c++"
+    cpu = envs.cpu_kernel_target()
+    macros = subprocess.run(
+        [compiler, f"-march={cpu}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True
+    ).stdout
+    return "__AVX512F__" in macros.split()
 
 
 def _reference_pair(dtype: torch.dtype, bias: bool, in_features: int = 96, out_features: int = 130) -> tuple:
@@ -430,10 +443,6 @@ def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weigh
         torch.testing.assert_close(output, x @ weight.float().t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="needs at least one weight"):
         torch.ops.strata_cpu.linear_group(x, [])
-
-
-def _has_avx512() -> bool:
-    return "avx512f" in cpu_kernels.cpu_description().split()
 
 
 @pytest.mark.parametrize(

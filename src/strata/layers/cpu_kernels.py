@@ -1,6 +1,7 @@
 """Strata's own CPU kernels: C++ sources in `csrc/`, compiled on first use and loaded as torch ops.
 
-A kernel is built once per machine (`-O3 -march=native`, so the compiler vectorises for this CPU) into
+A kernel is built once per machine (`-O3 -march=native`, so the compiler vectorises for this CPU;
+`STRATA_CPU_KERNEL_TARGET` names another CPU, as a cache shared by several machines needs) into
 `STRATA_CACHE_ROOT/kernels/`, keyed by a hash of its source and the headers beside it (`csrc/*.h`, which
 the kernels share), the compiler flags, torch's version and the CPU. Building needs a C++ compiler (`CXX`, else `c++`); without one, or with `STRATA_DISABLE_CPU_KERNELS=1`,
 `load` returns False and the layers use ATen. Two processes building at once each write a private file and
@@ -40,7 +41,8 @@ def cpu_description() -> str:
 
 
 def _compile_command(compiler: str, source: Path, target: str) -> list[str]:
-    march = "-march=native" if platform.machine() in ("x86_64", "AMD64", "i686") else "-mcpu=native"
+    cpu = envs.cpu_kernel_target()
+    march = f"-march={cpu}" if platform.machine() in ("x86_64", "AMD64", "i686") else f"-mcpu={cpu}"
     includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
     libraries = torch.utils.cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)

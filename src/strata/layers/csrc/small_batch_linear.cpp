@@ -353,12 +353,13 @@ constexpr bool kFloatPanels = kHasPanelGemm;
 // (`has_onednn_bfloat16`). The caller keeps the returned tensor alive for as long as the weight should use
 // it. A weight registered already and unchanged since (one weight shared by several layers, as tied
 // embeddings are) gets the same copy back, not a second one. Returns nothing where neither layout serves
-// the weight or it is not a contiguous matrix of those dtypes: `linear` then reads the weight.
+// the weight or it is not a contiguous matrix of those dtypes, or an empty one (oneDNN refuses those, and
+// `linear` answers them without reading the weight): `linear` then reads the weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
   const bool int8 = dtype == at::kChar;
   const bool panels = kFloatPanels && dtype == at::kFloat;
-  if (weight.dim() != 2 || !weight.is_contiguous() ||
+  if (weight.dim() != 2 || !weight.is_contiguous() || weight.numel() == 0 ||
       !(panels || (has_onednn_linear() &&
                    (dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))))) {
     return std::nullopt;
