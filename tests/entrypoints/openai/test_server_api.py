@@ -95,7 +95,10 @@ def test_stop_string_is_never_streamed_in_part(server: RemoteServer, llm: LLM) -
 
 def test_prompt_lists_token_ids_n_and_echo(server: RemoteServer, llm: LLM) -> None:
     client = server.client()
-    result = client.completions.create(model="stories260K", prompt=PROMPTS, max_tokens=12, temperature=0, n=2)
+    # best_of equal to n is plain sampling of n choices
+    result = client.completions.create(
+        model="stories260K", prompt=PROMPTS, max_tokens=12, temperature=0, n=2, best_of=2
+    )
     assert [c.index for c in result.choices] == list(range(8))
     for choice in result.choices:
         assert choice.text == greedy(llm, PROMPTS[choice.index // 2], 12)
@@ -265,6 +268,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "logit_bias": {"50": 100}}, "logit_bias"),
         ({"prompt": "x", "suffix": "end"}, "suffix"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ],
 )
 def test_invalid_completion_parameters_are_400_naming_the_parameter(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from strata.sampling_params import SamplingParams
 
@@ -105,9 +105,22 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # Candidates generated per prompt, of which the n most likely are returned; as many as n is plain sampling.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of must be at least n ({n}), got {best_of}")
+        return best_of
 
     def unsupported_fields(self) -> list[str]:
-        return [*super().unsupported_fields(), *(["suffix"] if self.suffix else [])]
+        unsupported = ["suffix"] if self.suffix else []
+        if self.best_of is not None and self.best_of > self.n:
+            unsupported.append("best_of")
+        return [*super().unsupported_fields(), *unsupported]
 
 
 class ContentPart(RequestModel):
