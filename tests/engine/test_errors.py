@@ -47,6 +47,8 @@ def test_sampling_params_errors_name_the_field(llm: LLM) -> None:
         SamplingParams(top_p=0)
     with pytest.raises(TypeError, match="SamplingParams"):
         llm.generate({"prompt_token_ids": [5]}, sampling_params={"temperature": 0}, use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a SamplingParams or a list of them, got str"):
+        llm.generate({"prompt_token_ids": [5]}, "greedy", use_tqdm=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
         llm.generate({"prompt_token_ids": [5]}, [SamplingParams(), SamplingParams()], use_tqdm=False)
 

@@ -136,7 +136,7 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        elif isinstance(sampling_params, Sequence):
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
