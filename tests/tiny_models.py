@@ -1,7 +1,8 @@
 """Tiny random configs of the decoder-only architectures Strata must run, from transformers' config classes.
 
 Each is small enough to run in milliseconds but keeps what makes its architecture different: GQA, sliding
-windows shorter than the test prompts, logit soft-capping, q/k norms, fused qkv, scaled residuals.
+windows shorter than the test prompts, logit soft-capping, q/k norms, fused qkv, scaled residuals, mixtures
+of experts (whose checkpoints transformers saves per expert and fuses as it loads).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
 )
 
@@ -61,6 +64,16 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
     "phi3": lambda: Phi3Config(**_COMMON),
+    # Checkpoints name the experts block_sparse_moe.experts.<i>.w1/w2/w3.
+    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # experts.<i>.gate_proj/up_proj/down_proj, and a dense shared expert beside them.
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
     "olmo2": lambda: Olmo2Config(**_COMMON),
     "granite": lambda: GraniteConfig(
         **_COMMON,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import BertConfig
 
 from strata import LLM, SamplingParams
@@ -81,8 +83,6 @@ def test_model_folder_errors(tmp_path: Path, tiny_model_dir: Callable[[str], Pat
 
 
 def test_weight_mismatch_names_tensors(tmp_path: Path, tiny_model_dir: Callable[[str], Path]) -> None:
-    import shutil
-
     folder = tmp_path / "wrong"
     shutil.copytree(tiny_model_dir("llama"), folder)
     config = json.loads((folder / "config.json").read_text())
@@ -90,3 +90,32 @@ def test_weight_mismatch_names_tensors(tmp_path: Path, tiny_model_dir: Callable[
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.3\."):
         LLM(str(folder), skip_tokenizer_init=True)
+
+
+def test_mixture_of_experts_checkpoint_errors_name_the_expert(
+    tmp_path: Path, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """Per-expert checkpoint tensors fill one fused parameter: one missing leaves that parameter missing,
+    and an expert the config does not have is named as such."""
+    from safetensors.torch import load_file, save_file
+
+    def with_tensors(name: str, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(tiny_model_dir("mixtral"), folder)
+        tensors = load_file(folder / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        return folder
+
+    missing = with_tensors("missing", lambda t: t.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+        LLM(str(missing), skip_tokenizer_init=True)
+
+    def add_expert(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.0.block_sparse_moe.experts.7.w2.weight"] = tensors[
+            "model.layers.0.block_sparse_moe.experts.0.w2.weight"
+        ].clone()
+
+    extra = with_tensors("extra", add_expert)
+    with pytest.raises(ValueError, match=r"experts\.7\.w2\.weight .* for expert 7 of 4"):
+        LLM(str(extra), skip_tokenizer_init=True)

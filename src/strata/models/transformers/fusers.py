@@ -42,11 +42,15 @@ _PROBE_ERRORS = (
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where a checkpoint tensor goes: `param`, or row block `shard` of `num_shards` along dim 0."""
+    """Where a checkpoint tensor goes: `param`, or row block `shard` of `num_shards` along dim 0; with
+    `expert`, that place in `param[expert]` (one of `num_experts` stacked experts, as transformers fuses a
+    mixture of experts' per-expert tensors)."""
 
     param: str
     shard: int = 0
     num_shards: int = 1
+    expert: int | None = None
+    num_experts: int = 1
 
 
 WeightMapping = dict[str, WeightTarget]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +18,15 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    apply_converters,
+    apply_renamings,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
@@ -161,6 +171,54 @@ def _dequantize_pairs(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tup
         raise WeightLoadError(f"quantized tensor {base}{have} has no {base}{lacks} in the checkpoint")
 
 
+def _supported_merge(converter: WeightConverter) -> bool:
+    """Whether a converter only stacks per-expert tensors (dim 0), then joins its sources side by side
+    (dim 1): the one form of transformers' checkpoint conversions that the loader assembles."""
+    operations = converter.operations
+    if not operations or not isinstance(operations[0], MergeModulelist) or operations[0].dim != 0:
+        return False
+    rest = operations[1:]
+    return not rest or (len(rest) == 1 and isinstance(rest[0], Concatenate) and rest[0].dim == 1)
+
+
+def checkpoint_conversion(model: nn.Module) -> Callable[[str], WeightTarget | None]:
+    """Where transformers' checkpoint conversions for `model` send a checkpoint tensor (None: its own name).
+
+    transformers renames some checkpoint names as it loads them, and fuses a mixture of experts' per-expert
+    tensors (`experts.3.gate_proj.weight`, `experts.3.up_proj.weight`) into one parameter for all experts
+    (`experts.gate_up_proj`, [experts, gate and up rows, hidden]). Strata streams tensors one at a time, so
+    each such tensor gets the place it fills in the fused parameter; the conversions themselves come from
+    transformers, so every model it converts this way loads."""
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+    def target(name: str) -> WeightTarget | None:
+        renamed = apply_renamings(name, renamings)
+        param, pattern = apply_converters(renamed, converters)
+        if pattern is None:
+            return None if param == name else WeightTarget(param)
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        if not _supported_merge(converter):
+            raise WeightLoadError(
+                f"tensor {name} needs transformers' conversion {converter.operations} into {param}, which "
+                "Strata's loader does not do"
+            )
+        found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), renamed)
+        if found is None or param not in shapes:
+            return WeightTarget(param)  # reported as unexpected or mismatched where it is loaded
+        return WeightTarget(
+            param,
+            shard=converter.source_patterns.index(pattern),
+            num_shards=len(converter.source_patterns),
+            expert=int(found.group(1)),
+            num_experts=shapes[param][0],
+        )
+
+    return target
+
+
 def load_weights(
     model: nn.Module, folder: Path, dtype: torch.dtype, weight_mapping: WeightMapping | None = None
 ) -> None:
@@ -172,6 +230,7 @@ def load_weights(
     pairs are dequantized one at a time first, so no full floating-point copy of the model is ever held.
     """
     weight_mapping = weight_mapping or {}
+    converted = checkpoint_conversion(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     # `<path>.weight` of each int8 linear: the float weight its `qweight` and `scale` are quantized from.
     int8_layers = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Int8LinearBase)}
@@ -180,9 +239,9 @@ def load_weights(
     tied_floats: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
-    assembling: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    assembling: dict[str, tuple[torch.Tensor, set[tuple[int | None, int]]]] = {}
     for name, tensor in _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))):
-        target = weight_mapping.get(name, WeightTarget(name))
+        target = weight_mapping.get(name) or converted(name) or WeightTarget(name)
         int8_layer = int8_layers.get(target.param)
         if int8_layer is not None:
             full_shape = (int8_layer.out_features, int8_layer.in_features)
@@ -191,20 +250,28 @@ def load_weights(
         else:
             unexpected.append(name)
             continue
-        shard_rows = full_shape[0] // target.num_shards
-        expected_shape = (shard_rows, *full_shape[1:]) if target.num_shards > 1 else full_shape
-        if tuple(tensor.shape) != tuple(expected_shape):
+        # One expert's part of a stacked parameter is the parameter without its first dim.
+        piece_shape = full_shape[1:] if target.expert is not None else full_shape
+        shard_rows = piece_shape[0] // target.num_shards
+        expected_shape = (shard_rows, *piece_shape[1:]) if target.num_shards > 1 else piece_shape
+        if tuple(tensor.shape) != tuple(expected_shape) or not 0 <= (target.expert or 0) < target.num_experts:
             raise WeightLoadError(
                 f"tensor {name} in {folder} has shape {tuple(tensor.shape)}, the model expects {tuple(expected_shape)}"
+                + (
+                    f" for expert {target.expert} of {target.num_experts}"
+                    if target.expert is not None
+                    else ""
+                )
             )
-        if target.num_shards > 1:
+        if target.num_shards > 1 or target.expert is not None:
             if target.param not in assembling:
                 merged_dtype = torch.float32 if int8_layer is not None else dtype
                 assembling[target.param] = (torch.empty(full_shape, dtype=merged_dtype), set())
-            merged, shards = assembling[target.param]
-            merged[target.shard * shard_rows : (target.shard + 1) * shard_rows] = tensor
-            shards.add(target.shard)
-            if len(shards) < target.num_shards:
+            merged, pieces = assembling[target.param]
+            block = merged[target.expert] if target.expert is not None else merged
+            block[target.shard * shard_rows : (target.shard + 1) * shard_rows] = tensor
+            pieces.add((target.expert, target.shard))
+            if len(pieces) < target.num_shards * target.num_experts:
                 continue
             del assembling[target.param]
             tensor = merged
