@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from transformers import (
+    ApertusConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -64,6 +65,8 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
     "phi3": lambda: Phi3Config(**_COMMON),
+    # A learned activation (xIELU) whose constants are buffers the checkpoint holds; q/k norms.
+    "apertus": lambda: ApertusConfig(**_COMMON),
     # Checkpoints name the experts block_sparse_moe.experts.<i>.w1/w2/w3.
     "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
     # experts.<i>.gate_proj/up_proj/down_proj, and a dense shared expert beside them.

@@ -232,6 +232,7 @@ def load_weights(
     weight_mapping = weight_mapping or {}
     converted = checkpoint_conversion(model)
     params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = _persistent_buffers(model)
     # `<path>.weight` of each int8 linear: the float weight its `qweight` and `scale` are quantized from.
     int8_layers = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Int8LinearBase)}
     ties = model.get_expanded_tied_weights_keys(all_submodels=True)
@@ -247,6 +248,9 @@ def load_weights(
             full_shape = (int8_layer.out_features, int8_layer.in_features)
         elif target.param in params:
             full_shape = tuple(params[target.param].shape)
+        elif target.param in buffers:
+            _load_buffer(buffers[target.param], name, tensor, folder)
+            continue
         else:
             unexpected.append(name)
             continue
@@ -317,6 +321,26 @@ def load_weights(
             f"checkpoint in {folder} does not match {type(model).__name__}: " + "; ".join(parts)
         )
     logger.info("loaded %d tensors from %s", len(loaded), folder)
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint may hold (a learned activation's constants, say): those in the state dict.
+    The model made them when it was built, so one the checkpoint lacks keeps that value."""
+    return {
+        f"{path}.{name}" if path else name: buffer
+        for path, module in model.named_modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and name not in module._non_persistent_buffers_set
+    }
+
+
+def _load_buffer(buffer: torch.Tensor, name: str, tensor: torch.Tensor, folder: Path) -> None:
+    if tensor.shape != buffer.shape:
+        raise WeightLoadError(
+            f"tensor {name} in {folder} has shape {tuple(tensor.shape)}, the model expects {tuple(buffer.shape)}"
+        )
+    with torch.no_grad():
+        buffer.copy_(tensor)
 
 
 def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
