@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from transformers import (
     ApertusConfig,
+    CohereConfig,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -20,10 +21,12 @@ from transformers import (
     MixtralConfig,
     Olmo2Config,
     Phi3Config,
+    PhiConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
+    Starcoder2Config,
 )
 
 _COMMON = dict(
@@ -65,6 +68,12 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
     "phi3": lambda: Phi3Config(**_COMMON),
+    # LayerNorm with biases, a plain (not gated) MLP, attention and MLP in parallel, half the head rotated.
+    "phi": lambda: PhiConfig(**_COMMON, partial_rotary_factor=0.5),
+    # LayerNorm, biased projections, a plain MLP.
+    "starcoder2": lambda: Starcoder2Config(**_COMMON),
+    # LayerNorm without bias, attention and MLP in parallel, scaled logits.
+    "cohere": lambda: CohereConfig(**_COMMON, logit_scale=0.5),
     # A learned activation (xIELU) whose constants are buffers the checkpoint holds; q/k norms.
     "apertus": lambda: ApertusConfig(**_COMMON),
     # Checkpoints name the experts block_sparse_moe.experts.<i>.w1/w2/w3.

@@ -89,12 +89,15 @@ def test_every_norm_and_glu_is_replaced(
     num_glus = sum(isinstance(m, PluggableLayer) for m in model.modules())
     layers = TINY_CONFIGS[arch]().num_hidden_layers
     # Gemma3 has six norms per layer (input, post-attention, pre/post feed-forward, q and k), Olmo2, Qwen3,
-    # Apertus and Gemma2 four; Phi3's MLP already merges gate and up and is left as it is, and so are
-    # Mixtral's experts (one fused parameter for all of them); Apertus' MLP is not gated; Qwen2-MoE's dense
-    # shared expert is a GLU.
+    # Apertus and Gemma2 four; Phi, Starcoder2 and Cohere normalise with LayerNorm, not RMSNorm. Phi3's MLP
+    # already merges gate and up and is left as it is, and so are Mixtral's experts (one fused parameter for
+    # all of them); Apertus, Phi and Starcoder2 have MLPs that are not gated; Qwen2-MoE's dense shared
+    # expert is a GLU.
+    layer_norm_archs = ("phi", "starcoder2", "cohere")
     norms_per_layer = {"gemma3": 6, "gemma2": 4, "olmo2": 4, "qwen3": 4, "apertus": 4}.get(arch, 2)
-    assert num_norms == norms_per_layer * layers + 1
-    assert num_glus == (0 if arch in ("phi3", "mixtral", "apertus") else layers)
+    assert num_norms == (0 if arch in layer_norm_archs else norms_per_layer * layers + 1)
+    no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2")
+    assert num_glus == (0 if arch in no_glu else layers)
 
 
 def test_merged_gate_up_holds_the_checkpoint_tensors(tiny_model_dir: Callable[[str], Path]) -> None:
