@@ -15,11 +15,14 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
     Olmo2Config,
+    OPTConfig,
     Phi3Config,
     PhiConfig,
     PretrainedConfig,
@@ -74,6 +77,33 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "starcoder2": lambda: Starcoder2Config(**_COMMON),
     # LayerNorm without bias, attention and MLP in parallel, scaled logits.
     "cohere": lambda: CohereConfig(**_COMMON, logit_scale=0.5),
+    # Attention modules without grouped-query attributes (one KV head per query head), learned absolute
+    # positions (GPT-2, OPT), Conv1D projections (GPT-2), a fused qkv with `head_size` (GPT-NeoX).
+    "gpt2": lambda: GPT2Config(
+        vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=256, bos_token_id=1, eos_token_id=2
+    ),
+    "gpt_neox": lambda: GPTNeoXConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "opt": lambda: OPTConfig(
+        vocab_size=128,
+        hidden_size=64,
+        ffn_dim=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
     # A learned activation (xIELU) whose constants are buffers the checkpoint holds; q/k norms.
     "apertus": lambda: ApertusConfig(**_COMMON),
     # Checkpoints name the experts block_sparse_moe.experts.<i>.w1/w2/w3.

@@ -89,14 +89,14 @@ def test_every_norm_and_glu_is_replaced(
     num_glus = sum(isinstance(m, PluggableLayer) for m in model.modules())
     layers = TINY_CONFIGS[arch]().num_hidden_layers
     # Gemma3 has six norms per layer (input, post-attention, pre/post feed-forward, q and k), Olmo2, Qwen3,
-    # Apertus and Gemma2 four; Phi, Starcoder2 and Cohere normalise with LayerNorm, not RMSNorm. Phi3's MLP
+    # Apertus and Gemma2 four; Phi, Starcoder2, Cohere, GPT-2, GPT-NeoX and OPT use LayerNorm. Phi3's MLP
     # already merges gate and up and is left as it is, and so are Mixtral's experts (one fused parameter for
-    # all of them); Apertus, Phi and Starcoder2 have MLPs that are not gated; Qwen2-MoE's dense shared
+    # all of them); Apertus, Phi, Starcoder2, the GPTs and OPT have plain MLPs; Qwen2-MoE's dense shared
     # expert is a GLU.
-    layer_norm_archs = ("phi", "starcoder2", "cohere")
+    layer_norm_archs = ("phi", "starcoder2", "cohere", "gpt2", "gpt_neox", "opt")
     norms_per_layer = {"gemma3": 6, "gemma2": 4, "olmo2": 4, "qwen3": 4, "apertus": 4}.get(arch, 2)
     assert num_norms == (0 if arch in layer_norm_archs else norms_per_layer * layers + 1)
-    no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2")
+    no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2", "gpt2", "gpt_neox", "opt")
     assert num_glus == (0 if arch in no_glu else layers)
 
 

@@ -68,14 +68,23 @@ def name_attention_layers(model: nn.Module, use_layer_name: bool = False) -> lis
     The name is stored encoded (`encode_layer_name`): a `LayerName` when `use_layer_name` is on and torch
     supports it, which also selects the `LayerName` variant of the attention op at call time.
 
-    HF attention modules are recognised by the attributes they all carry (`layer_idx`, `head_dim`,
-    `num_key_value_groups`), so no list of class names is needed.
+    HF attention modules are recognised by the attributes they carry: a `layer_idx`, a `config`, the head
+    size (`head_dim`; `head_size` in GPT-NeoX) and `is_causal` (which cross-attention lacks), so no list of
+    class names is needed. Their KV heads: the query heads over `num_key_value_groups` where the module has
+    it, else the config's `num_key_value_heads`, else one per query head (GPT-2, GPT-NeoX, OPT).
     """
     specs = []
     for path, module in model.named_modules():
-        if not all(hasattr(module, attr) for attr in ("layer_idx", "head_dim", "num_key_value_groups")):
+        head_dim = getattr(module, "head_dim", getattr(module, "head_size", None))
+        if not (hasattr(module, "layer_idx") and hasattr(module, "config") and isinstance(head_dim, int)):
+            continue
+        if getattr(module, "is_causal", None) is not True:
             continue
         setattr(module, LAYER_NAME_ATTR, encode_layer_name(path, use_layer_name))
         num_heads = module.config.num_attention_heads
-        specs.append(AttentionLayerSpec(path, num_heads // module.num_key_value_groups, module.head_dim))
+        groups = getattr(module, "num_key_value_groups", None)
+        num_kv_heads = (
+            num_heads // groups if groups else getattr(module.config, "num_key_value_heads", num_heads)
+        )
+        specs.append(AttentionLayerSpec(path, num_kv_heads or num_heads, head_dim))
     return specs
