@@ -43,6 +43,20 @@ def test_rms_norms_match_hf(ours: type, theirs: type, method: str) -> None:
     torch.testing.assert_close(out, hf(x + residual))
 
 
+@pytest.mark.parametrize("ours", [layernorm.LayerNorm, hw_layernorm.LayerNorm])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norms_match_torch(ours: type, method: str, bias: bool) -> None:
+    norm, reference = ours(32, 1e-5, bias), torch.nn.LayerNorm(32, eps=1e-5, bias=bias)
+    norm.weight.data = reference.weight.data = _random_weight(32)
+    if bias:
+        norm.bias.data = reference.bias.data = _random_weight(32) - 0.5
+    else:
+        assert norm.bias is None
+    x = torch.randn(2, 5, 32) * 4 + 3  # a mean far from zero, which the norm must take out
+    torch.testing.assert_close(getattr(norm, method)(x), reference(x))
+
+
 def test_hw_agnostic_norm_keeps_float32_math_in_bfloat16() -> None:
     norm = hw_layernorm.GemmaRMSNorm(32, 1e-6, dtype=torch.bfloat16)
     norm.weight.data = _random_weight(32).to(torch.bfloat16)

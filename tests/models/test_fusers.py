@@ -96,6 +96,12 @@ def test_every_norm_and_glu_is_replaced(
     layer_norm_archs = ("phi", "starcoder2", "cohere", "gpt2", "gpt_neox", "opt")
     norms_per_layer = {"gemma3": 6, "gemma2": 4, "olmo2": 4, "qwen3": 4, "apertus": 4}.get(arch, 2)
     assert num_norms == (0 if arch in layer_norm_archs else norms_per_layer * layers + 1)
+    # Every nn.LayerNorm is Strata's `layer_norm` (Phi's one a layer: attention and MLP share it); Cohere's
+    # own LayerNorm class (no bias, float32) stays.
+    num_layer_norms = sum(isinstance(m, CustomOp) and m.op_name == "layer_norm" for m in model.modules())
+    assert not any(type(m) is torch.nn.LayerNorm for m in model.modules())
+    layer_norms_per_layer = {"phi": 1, "cohere": 0}.get(arch, 2 if arch in layer_norm_archs else 0)
+    assert num_layer_norms == (layer_norms_per_layer * layers + 1 if layer_norms_per_layer else 0)
     no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2", "gpt2", "gpt_neox", "opt")
     assert num_glus == (0 if arch in no_glu else layers)
 

@@ -47,6 +47,30 @@ class RMSNormBase(CustomOp):
         return [(sample(),), (sample(), sample())]
 
 
+class LayerNormBase(CustomOp):
+    """`(x - mean(x)) / sqrt(var(x) + eps)` over the last dimension, times a per-channel weight plus a bias
+    (GPT-2, GPT-NeoX, OPT, Phi, Starcoder2); parameters named as `nn.LayerNorm` names them, so checkpoints
+    load unchanged."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, bias: bool = True, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}, forward={self.forward_method_name}"
+
+    def example_inputs(
+        self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, ...]]:
+        x = torch.randn(num_tokens, self.hidden_size, generator=generator) * 3 + 1
+        return [(x.to(device=self.weight.device, dtype=dtype),)]
+
+
 class ActAndMulBase(CustomOp):
     """`act(x[..., :d]) * x[..., d:]` with `d = x.shape[-1] // 2`: the activation of a GLU MLP."""
 

@@ -1,6 +1,7 @@
 """Default RMSNorms: Strata's fused CPU kernel (`csrc/rms_norm.cpp`, with the residual add in the same pass)
 on CPU, ATen's `rms_norm` where that kernel cannot be built; a Triton kernel on CUDA (ATen where Triton is
-not installed); and a plain formula as `forward_native`, whose numbers the kernels reproduce."""
+not installed); and a plain formula as `forward_native`, whose numbers the kernels reproduce. The default
+LayerNorm is ATen's on every device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from strata.custom_op import CustomOp
 from strata.layers import cpu_kernels, load_triton_kernels
-from strata.layers.base import RMSNormBase
+from strata.layers.base import LayerNormBase, RMSNormBase
 
 # Weight dtypes `strata_cpu::rms_norm` reads (and x's, which it takes in the same three); others use ATen.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -131,3 +132,11 @@ class GemmaRMSNorm(RMSNormBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         result = _forward_cuda(self, x, residual, offset_weight=True)
         return self.forward_cpu(x, residual) if result is None else result
+
+
+@CustomOp.register("layer_norm")
+class LayerNorm(LayerNormBase):
+    """ATen's `layer_norm`, which every device has: what `nn.LayerNorm` computes."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)

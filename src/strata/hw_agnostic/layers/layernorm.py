@@ -1,11 +1,12 @@
-"""hw-agnostic RMSNorms: every step in float32, cast back once, so all backends produce the same numbers."""
+"""hw-agnostic RMSNorms and LayerNorm: every step in float32, cast back once, so all backends produce the same
+numbers."""
 
 from __future__ import annotations
 
 import torch
 
 from strata.custom_op import CustomOp
-from strata.layers.base import RMSNormBase
+from strata.layers.base import LayerNormBase, RMSNormBase
 
 
 def _rms_norm_fp32(
@@ -44,3 +45,18 @@ class GemmaRMSNorm(RMSNormBase):
         h, new_residual = _rms_norm_fp32(x, residual, self.variance_epsilon)
         out = (h * (1.0 + self.weight.float())).to(x.dtype)
         return out if new_residual is None else (out, new_residual)
+
+
+@CustomOp.register("layer_norm")
+class LayerNorm(LayerNormBase):
+    """Mean and (biased) variance in float32, then the weight and bias, as a formula of plain tensor ops."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        centered = h - mean
+        h = centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = h * self.weight.float()
+        if self.bias is not None:
+            h = h + self.bias.float()
+        return h.to(x.dtype)

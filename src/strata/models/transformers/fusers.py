@@ -244,6 +244,30 @@ def fuse_layers(model: nn.Module) -> WeightMapping:
     return fuser.mapping
 
 
+def replace_layer_norms(model: nn.Module) -> int:
+    """Replace every `nn.LayerNorm` over one dimension with learned weights in `model` (parameters on meta) by
+    the resolved `LayerNorm` layer; returns how many. Parameter names stay `weight` and `bias`, so checkpoints
+    load unchanged. Models' own LayerNorm classes (Cohere's, without a bias, in float32) stay as they are."""
+    layer_norm_cls: Callable[..., nn.Module] | None = None
+    replaced = 0
+    for path, module in list(model.named_modules()):
+        if (
+            type(module) is not nn.LayerNorm
+            or not module.elementwise_affine
+            or len(module.normalized_shape) != 1
+        ):
+            continue
+        layer_norm_cls = layer_norm_cls or resolve("layernorm", "LayerNorm")
+        with torch.device("meta"):
+            new = layer_norm_cls(
+                module.normalized_shape[0], module.eps, module.bias is not None, module.weight.dtype
+            )
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), attr, new)
+        replaced += 1
+    return replaced
+
+
 def replace_linears(model: nn.Module) -> int:
     """Replace every plain `nn.Linear` in `model` (parameters on meta) by the resolved `Linear` layer.
 

@@ -38,7 +38,13 @@ from strata.models.transformers.attention import (
     name_attention_layers,
     register_attention_interface,
 )
-from strata.models.transformers.fusers import WeightMapping, WeightTarget, fuse_layers, replace_linears
+from strata.models.transformers.fusers import (
+    WeightMapping,
+    WeightTarget,
+    fuse_layers,
+    replace_layer_norms,
+    replace_linears,
+)
 from strata.models.transformers.hub_kernels import unwrap_hub_kernels
 from strata.models.transformers.quantization import (
     QSCALE_SUFFIX,
@@ -107,6 +113,7 @@ def build_model(
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
         weight_mapping = fuse_layers(model)
+        replace_layer_norms(model)
         if model_config.quantization == "int8":
             quantize_linears(model)
         replace_linears(model)
