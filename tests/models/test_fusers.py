@@ -13,6 +13,7 @@ from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from transformers.models.phi3.modeling_phi3 import Phi3MLP
+from transformers.pytorch_utils import Conv1D
 
 from strata.config import LayerConfig, ModelConfig
 from strata.custom_op import CustomOp, PluggableLayer
@@ -100,6 +101,7 @@ def test_every_norm_and_glu_is_replaced(
     # own LayerNorm class (no bias, float32) stays.
     num_layer_norms = sum(isinstance(m, CustomOp) and m.op_name == "layer_norm" for m in model.modules())
     assert not any(type(m) is torch.nn.LayerNorm for m in model.modules())
+    assert not any(isinstance(m, Conv1D) for m in model.modules())  # GPT-2's: Strata's Linear now
     layer_norms_per_layer = {"phi": 1, "cohere": 0}.get(arch, 2 if arch in layer_norm_archs else 0)
     assert num_layer_norms == (layer_norms_per_layer * layers + 1 if layer_norms_per_layer else 0)
     no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2", "gpt2", "gpt_neox", "opt")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from strata.custom_op import CustomOp, PluggableLayer
 from strata.hw_agnostic.layers.activation import ACTIVATIONS
@@ -44,13 +45,14 @@ _PROBE_ERRORS = (
 class WeightTarget:
     """Where a checkpoint tensor goes: `param`, or row block `shard` of `num_shards` along dim 0; with
     `expert`, that place in `param[expert]` (one of `num_experts` stacked experts, as transformers fuses a
-    mixture of experts' per-expert tensors)."""
+    mixture of experts' per-expert tensors); with `transpose`, the tensor's transpose."""
 
     param: str
     shard: int = 0
     num_shards: int = 1
     expert: int | None = None
     num_experts: int = 1
+    transpose: bool = False  # stored [in, out], as GPT-2's Conv1D keeps it
 
 
 WeightMapping = dict[str, WeightTarget]
@@ -242,6 +244,22 @@ def fuse_layers(model: nn.Module) -> WeightMapping:
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path), attr, new)
     return fuser.mapping
+
+
+def replace_conv1d(model: nn.Module) -> WeightMapping:
+    """Replace every `Conv1D` (GPT-2's projections: a linear layer that stores its weight as [in, out]) in
+    `model` (parameters on meta) by an `nn.Linear`, which `replace_linears` (or int8 quantization) then
+    turns into Strata's; returns the mapping that loads each weight transposed."""
+    mapping: WeightMapping = {}
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, Conv1D):
+            continue
+        with torch.device("meta"):
+            new = nn.Linear(module.nx, module.nf, dtype=module.weight.dtype)
+        parent_path, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), attr, new)
+        mapping[f"{path}.weight"] = WeightTarget(f"{path}.weight", transpose=True)
+    return mapping
 
 
 def replace_layer_norms(model: nn.Module) -> int:

@@ -42,6 +42,7 @@ from strata.models.transformers.fusers import (
     WeightMapping,
     WeightTarget,
     fuse_layers,
+    replace_conv1d,
     replace_layer_norms,
     replace_linears,
 )
@@ -112,7 +113,7 @@ def build_model(
             )
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
-        weight_mapping = fuse_layers(model)
+        weight_mapping = {**fuse_layers(model), **replace_conv1d(model)}
         replace_layer_norms(model)
         if model_config.quantization == "int8":
             quantize_linears(model)
@@ -250,6 +251,8 @@ def load_weights(
     assembling: dict[str, tuple[torch.Tensor, set[tuple[int | None, int]]]] = {}
     for name, tensor in _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))):
         target = weight_mapping.get(name) or converted(name) or WeightTarget(name)
+        if target.transpose:
+            tensor = tensor.t().contiguous()
         int8_layer = int8_layers.get(target.param)
         if int8_layer is not None:
             full_shape = (int8_layer.out_features, int8_layer.in_features)
