@@ -18,16 +18,20 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    MergeModulelist,
-    WeightConverter,
-    WeightRenaming,
-    apply_converters,
-    apply_renamings,
-)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+try:  # transformers' checkpoint conversions (its loading internals; absent from some 5.x releases)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+    )
+except ImportError:
+    get_model_conversion_mapping = None
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import CustomOp, PluggableLayer, describe_layers, summarize_layers
@@ -197,6 +201,8 @@ def checkpoint_conversion(model: nn.Module) -> Callable[[str], WeightTarget | No
     (`experts.gate_up_proj`, [experts, gate and up rows, hidden]). Strata streams tensors one at a time, so
     each such tensor gets the place it fills in the fused parameter; the conversions themselves come from
     transformers, so every model it converts this way loads."""
+    if get_model_conversion_mapping is None:
+        return lambda name: None  # such checkpoints then fail to load with their tensors named
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
