@@ -241,8 +241,7 @@ def fuse_layers(model: nn.Module) -> WeightMapping:
             new = fuser.replace_norm(path, module, norm)
         else:
             continue
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, new)
+        model.set_submodule(path, new)
     return fuser.mapping
 
 
@@ -256,8 +255,7 @@ def replace_conv1d(model: nn.Module) -> WeightMapping:
             continue
         with torch.device("meta"):
             new = nn.Linear(module.nx, module.nf, dtype=module.weight.dtype)
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, new)
+        model.set_submodule(path, new)
         mapping[f"{path}.weight"] = WeightTarget(f"{path}.weight", transpose=True)
     return mapping
 
@@ -280,8 +278,7 @@ def replace_layer_norms(model: nn.Module) -> int:
             new = layer_norm_cls(
                 module.normalized_shape[0], module.eps, module.bias is not None, module.weight.dtype
             )
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, new)
+        model.set_submodule(path, new)
         replaced += 1
     return replaced
 
@@ -303,7 +300,6 @@ def replace_linears(model: nn.Module) -> int:
             new = linear_cls(
                 module.in_features, module.out_features, module.bias is not None, module.weight.dtype
             )
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), attr, new)
+        model.set_submodule(path, new)
         replaced += 1
     return replaced

@@ -54,8 +54,7 @@ def quantize_linears(model: nn.Module) -> int:
                 f"{type(new).__qualname__}, the override of Int8Linear, must subclass "
                 "strata.layers.base.Int8LinearBase"
             )
-        parent_path, _, attr = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, attr, new)
+        model.set_submodule(path, new)
         replaced += 1
     logger.info("int8 weight-only: %d linear layers", replaced)
     return replaced
