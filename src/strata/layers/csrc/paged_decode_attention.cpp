@@ -23,12 +23,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "float_math.h"
 #include "float_rows.h"
 #include "float_tiles.h"
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,27 +49,6 @@ inline float widen(c10::Half v) { return static_cast<float>(v); }
 // compile to whole-register instructions on every CPU.
 constexpr int64_t kTile = strata_kernels::kNativeLanes;
 
-// exp(x) for x <= 0 within 3 ulp, in plain arithmetic so loops over it vectorise (libm's expf does not
-// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial, 2^n
-// through the exponent bits. Adding 1.5 * 2^23 rounds x / ln2 to the integer n in the low mantissa bits.
-// Below -87 (e^x < 2^-125, nothing next to a softmax's largest term, which is 1) it returns 0.
-inline float exp_nonpositive(float x) {
-  constexpr float kShift = 12582912.f;
-  const float clamped = std::max(x, -87.f);
-  const float shifted = clamped * 1.44269504f + kShift;
-  const float n = shifted - kShift;
-  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t exponent = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
-  return x < -87.f ? 0.f : p * std::bit_cast<float>(exponent << 23);
-}
-
 using Tile = strata_kernels::NativeTile;
 
 // Calls f(heads, g) for the query heads [g, g + heads) of a GQA group, four at a time and the rest last,
@@ -88,6 +67,7 @@ inline void for_head_groups(int64_t group, F&& f) {
 using strata_kernels::lane_max;
 using strata_kernels::lane_total;
 using strata_kernels::load_native;
+using strata_kernels::exp_nonpositive;
 using strata_kernels::native_lane_sums;
 
 // Scores of keys [n rows, `key_stride` apart] against MG query heads (rows of q, `D` apart) into MG rows of
@@ -272,27 +252,6 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t f
     stats[2 * g] = row_max[g];
     stats[2 * g + 1] = row_sum[g];
   }
-}
-
-// exp_nonpositive lane by lane, in vector operations.
-using TileInt = int32_t __attribute__((vector_size(kTile * sizeof(int32_t))));
-inline Tile exp_nonpositive(Tile x) {
-  constexpr float kShift = 12582912.f;
-  const Tile lowest = Tile{} - 87.f;
-  const Tile clamped = x > lowest ? x : lowest;
-  const Tile shifted = clamped * 1.44269504f + kShift;
-  const Tile n = shifted - kShift;
-  const Tile r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-  Tile p = Tile{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const TileInt exponent = std::bit_cast<TileInt>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
-  const Tile e = p * std::bit_cast<Tile>(exponent << 23);
-  return x < lowest ? Tile{} : e;
 }
 
 // The fast path for head dims that are whole tiles (DT key tiles, DVT value tiles, both small): MG query
