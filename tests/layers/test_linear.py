@@ -22,6 +22,7 @@ from strata.config import ConfigError
 from strata.hw_agnostic.layers import linear as hw_linear
 from strata.layers import cpu_kernels, linear
 from strata.layers import quantization as quantization_layers
+from strata.layers.mlp import GluMLP
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.load("small_batch_linear"),
@@ -242,6 +243,17 @@ def test_only_contiguous_weights_of_the_kernel_dtypes_are_prepacked() -> None:
     assert (bf16_packed is not None) == _onednn_has_bfloat16()
 
 
+def _packed_copies(model: nn.Module, layer_class: type) -> list[bool]:
+    """Whether each linear of `model` has its packed copy: a GLU MLP whose gate and up projections run fused
+    holds theirs (`_glu_panels`) in the projection's place."""
+    fused = {id(m.gate_up_proj): m for m in model.modules() if isinstance(m, GluMLP) and m.fused_activation}
+    return [
+        (fused[id(m)]._glu_panels if id(m) in fused else m._packed_weight) is not None
+        for m in model.modules()
+        if isinstance(m, layer_class)
+    ]
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_engine_prepacks_linear_weights_unless_told_not_to(
     tiny_model_dir: Callable[[str], Path], quantization: str | None
@@ -259,11 +271,7 @@ def test_engine_prepacks_linear_weights_unless_told_not_to(
             prepack_weights=prepack,
             quantization=quantization,
         )
-        packed[prepack] = llm.apply_model(
-            lambda model: [
-                m._packed_weight is not None for m in model.modules() if isinstance(m, layer_class)
-            ]
-        )
+        packed[prepack] = llm.apply_model(lambda model: _packed_copies(model, layer_class))
         tokens[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert packed[True] and all(packed[True]) and not any(packed[False])
     assert tokens[True] == tokens[False]
@@ -513,3 +521,92 @@ def test_kernel_strided_inputs_empty_x_and_threads_split_large_layers(threads: C
     threads(2)
     out = torch.ops.strata_cpu.linear(xs, big, None, None)
     torch.testing.assert_close(out, xs @ big.T, rtol=1e-5, atol=1e-3)
+
+
+def _glu_reference(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(x @ gate.T) * (x @ up.T) in float64, as HF's MLP computes it."""
+    gate, up = (x.double() @ weight.double().T).chunk(2, dim=1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(("intermediate", "in_features"), [(384, 96), (24, 64), (10, 16), (7, 3)])
+@pytest.mark.parametrize("packed", [True, False])
+def test_linear_glu_matches_the_activated_gate_times_up(
+    activation: str, intermediate: int, in_features: int, packed: bool
+) -> None:
+    """Whole panels (384 = 16 panels of 24 pairs), one exact panel, and panels with fewer pairs than a tile;
+    row counts below, at and past the panels' 4-row threshold and the 8-row blocks."""
+    assert cpu_kernels.load("small_batch_linear")
+    weight = torch.randn(2 * intermediate, in_features, generator=torch.Generator().manual_seed(intermediate))
+    weight /= in_features**0.5
+    copy = torch.ops.strata_cpu.prepack_glu_weight(weight, activation) if packed else None
+    assert (copy is not None) == (packed and _has_avx512())
+    for rows in (1, 3, 4, 9, 32, 77):
+        x = 3 * torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+        out = torch.ops.strata_cpu.linear_glu(x, weight, activation)
+        assert out.shape == (rows, intermediate) and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), _glu_reference(x, weight, activation), rtol=2e-5, atol=2e-5)
+    # The same weight through the plain op does not read the pairs.
+    x = torch.randn(32, in_features)
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), x @ weight.T)
+
+
+def test_glu_weights_are_packed_only_where_the_panels_serve_them() -> None:
+    assert cpu_kernels.load("small_batch_linear")
+    prepack = torch.ops.strata_cpu.prepack_glu_weight
+    assert prepack(torch.randn(6, 2049), "silu") is None  # deeper than one pass over the panels
+    assert prepack(torch.randn(6, 8, dtype=torch.bfloat16), "silu") is None
+    assert prepack(torch.randn(5, 8), "silu") is None  # no even split into gate and up
+    assert prepack(torch.randn(12, 8)[:, ::2], "silu") is None  # not contiguous
+    assert prepack(torch.randn(0, 8), "silu") is None
+    with pytest.raises(RuntimeError, match="unknown GLU activation 'relu'"):
+        prepack(torch.randn(6, 8), "relu")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((torch.randn(2, 8), torch.randn(6, 8), "gelu"), "unknown GLU activation 'gelu'"),
+        ((torch.randn(2, 8), torch.randn(5, 8), "silu"), r"weight \[2I, K\]"),
+        ((torch.randn(2, 7), torch.randn(6, 8), "silu"), "x has 7 features but weight expects 8"),
+        ((torch.randn(2, 3, 8), torch.randn(6, 8), "silu"), r"x must be \[M, K\]"),
+    ],
+)
+def test_linear_glu_rejects_bad_inputs_clearly(args: tuple, message: str) -> None:
+    assert cpu_kernels.load("small_batch_linear")
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.strata_cpu.linear_glu(*args)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_glu_mlps_run_fused_where_their_layers_are_strata_own(
+    tiny_model_dir: Callable[[str], Path], arch: str
+) -> None:
+    """SwiGLU (Llama) and tanh-GELU (Gemma) MLPs run as `linear_glu` on AVX-512 CPUs, holding the packed
+    copy in their projection's place; without prepacked weights, or with the hw-agnostic layers, they run
+    unfused. Greedy tokens agree either way (logits against transformers: tests/models)."""
+    prompts = [{"prompt_token_ids": [3 + (5 * i + j) % 120 for j in range(20)]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fused, tokens = {}, {}
+    for name, options in {
+        "fused": {},
+        "no_prepack": {"prepack_weights": False},
+        "hw": {"layer_impl": "hw-agnostic"},
+    }.items():
+        llm = LLM(str(tiny_model_dir(arch)), skip_tokenizer_init=True, **options)
+        fused[name] = llm.apply_model(
+            lambda model: [
+                (m.fused_activation, m.gate_up_proj._packed_weight is None if m.fused_activation else None)
+                for m in model.modules()
+                if isinstance(m, GluMLP)
+            ]
+        )
+        tokens[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    activation = "silu" if arch == "llama" else "gelu_tanh"
+    assert fused["fused"] and all(
+        f == ((activation, True) if _has_avx512() else (None, None)) for f in fused["fused"]
+    )
+    assert not any(f[0] for f in fused["no_prepack"] + fused["hw"])
+    assert tokens["fused"] == tokens["no_prepack"] == tokens["hw"]

@@ -114,8 +114,8 @@ def load(name: str) -> bool:
 
 
 def _register_linear_fake() -> None:
-    """Output shapes of `strata_cpu::linear` and `linear_group` for `torch.compile`, which traces with fake
-    tensors."""
+    """Output shapes of `strata_cpu::linear`, `linear_group` and `linear_glu` for `torch.compile`, which traces
+    with fake tensors."""
 
     @torch.library.register_fake("strata_cpu::linear")
     def _linear_fake(
@@ -126,6 +126,10 @@ def _register_linear_fake() -> None:
     @torch.library.register_fake("strata_cpu::linear_group")
     def _linear_group_fake(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
         return x.new_empty(x.shape[0], sum(weight.shape[0] for weight in weights))
+
+    @torch.library.register_fake("strata_cpu::linear_glu")
+    def _linear_glu_fake(x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
 def _register_paged_decode_attention_fake() -> None:

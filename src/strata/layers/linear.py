@@ -25,19 +25,25 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PREPACK_KEEP_FREE_FRACTION = 0.25
 
 
-def prepacked_copy(weight: torch.Tensor) -> ProcessLocalValue[torch.Tensor] | None:
+def prepacked_copy(
+    weight: torch.Tensor, glu_activation: str | None = None
+) -> ProcessLocalValue[torch.Tensor] | None:
     """Register a packed copy of `weight` with `strata_cpu::linear`, which reads it for prefill and batches
     (float32 on AVX-512 CPUs: the column panels of Strata's own GEMM, from 4 rows on or for weights of 1 MB
     and more; otherwise oneDNN's layout, over 8 rows), and return the copy for the layer to hold: it lives
     as long as the layer, and the op finds it by the weight's storage. Process-local, because a saved
-    compiled trace pickles the layer and a oneDNN tensor cannot be pickled. None where the op keeps no copy
-    of this weight, or memory is short."""
+    compiled trace pickles the layer and a oneDNN tensor cannot be pickled. With `glu_activation`, the copy
+    is a GLU MLP's [gate; up] weight packed for `strata_cpu::linear_glu` instead. None where the op keeps no
+    copy of this weight, or memory is short."""
     copy_bytes = weight.numel() * (2 if weight.dtype == torch.int8 else weight.element_size())  # int8: bf16
     available = host_memory.available_bytes()
     if available - copy_bytes < PREPACK_KEEP_FREE_FRACTION * host_memory.total_bytes():
         _warn_memory_short(available)
         return None
-    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    if glu_activation is None:
+        packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    else:
+        packed = torch.ops.strata_cpu.prepack_glu_weight(weight, glu_activation)
     return None if packed is None else ProcessLocalValue(packed)
 
 

@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "float_math.h"
 #include "float_tiles.h"
 #include "huge_pages.h"
 
@@ -59,9 +60,20 @@ inline int64_t panel_width(int64_t columns) {
 
 inline int64_t panel_count(int64_t N) { return (N + kPanelColumns - 1) / kPanelColumns; }
 
+// The weight row that column j of the panel starting at column n0 (holding `columns` columns) reads. A GLU
+// MLP's [gate; up] weight (N = 2I rows) is packed with each panel's outputs in pairs (`glu`): its first half
+// holds gate rows n0 / 2 + j and its second half the up rows of the same outputs, so that the panel's sums
+// give act(gate) * up for columns / 2 outputs without leaving registers and L1 (`panel_block`).
+inline int64_t panel_row(int64_t n0, int64_t columns, int64_t j, int64_t N, bool glu) {
+  if (!glu) return n0 + j;
+  const int64_t half = columns / 2;
+  return (j < half ? 0 : N / 2) + n0 / 2 + j % half;
+}
+
 // weight [N, K] float32, contiguous, as panels: a 1-D float32 tensor of N rounded up to a tile times K
-// elements, the padding columns zero; read whole every step, so in memory advised for huge pages.
-inline at::Tensor pack_panels(const at::Tensor& weight) {
+// elements, the padding columns zero; read whole every step, so in memory advised for huge pages. With
+// `glu` (N even), in gate and up pairs (`panel_row`).
+inline at::Tensor pack_panels(const at::Tensor& weight, bool glu = false) {
   const int64_t N = weight.size(0), K = weight.size(1);
   at::Tensor packed = empty_huge_page_backed((N + kLanes - 1) / kLanes * kLanes * K, weight.options());
   const float* w = weight.data_ptr<float>();
@@ -72,7 +84,9 @@ inline at::Tensor pack_panels(const at::Tensor& weight) {
       const int64_t width = panel_width(columns);
       float* panel = p + n0 * K;
       for (int64_t k = 0; k < K; ++k) {
-        for (int64_t j = 0; j < width; ++j) panel[k * width + j] = j < columns ? w[(n0 + j) * K + k] : 0.0f;
+        for (int64_t j = 0; j < width; ++j) {
+          panel[k * width + j] = j < columns ? w[panel_row(n0, columns, j, N, glu) * K + k] : 0.0f;
+        }
       }
     }
   });
@@ -93,7 +107,8 @@ inline FloatTile load_columns(const float* p, int64_t n) {
 
 // out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, of which the first
 // `columns` columns are stored (rows of out `ldo` apart): bias added where given, or, with `accumulate`,
-// the sums already in out (an earlier part of the depth) added instead. With PREFETCH, the first
+// the sums already in out (an earlier part of the depth) added instead. With a GATE, the panel holds gate
+// and up pairs (`panel_row`) and out gets act(gate) * up, `columns / 2` values a row (no bias, whole depth). With PREFETCH, the first
 // `prefetch.lines` cache lines from `prefetch.from` on (at most K) are requested as well, one a k. A prefetch
 // never faults, so one past the end of the weight is harmless.
 struct Prefetch {
@@ -101,7 +116,7 @@ struct Prefetch {
   int64_t lines;
 };
 
-template <int MR, int TILES, bool PREFETCH>
+template <int MR, int TILES, bool PREFETCH, GateActivation GATE>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                         float* out, int64_t ldo, int64_t columns, bool accumulate, Prefetch prefetch) {
   FloatTile acc[MR][TILES];
@@ -127,6 +142,51 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
       for (int t = 0; t < TILES; ++t) acc[m][t] += xv * w[t];
     }
   }
+  if constexpr (GATE != GateActivation::kNone) {
+    if constexpr (TILES == 3 && kNativeLanes == kLanes) {
+      if (columns == kPanelColumns) {
+        // A whole panel: gates 0-23 are tile 0 and the low half of tile 1, their ups the high half of tile 1
+        // and tile 2. The ups are gathered by lane shuffles in registers: through memory, a load across two
+        // tiles' stores waits for both to retire (no store forwarding).
+        constexpr int kHalf = kLanes / 2;
+        STRATA_UNROLL
+        for (int m = 0; m < MR; ++m) {
+          const FloatTile up_low = __builtin_shufflevector(acc[m][1], acc[m][2], 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                                           17, 18, 19, 20, 21, 22, 23);
+          const FloatTile up_high = __builtin_shufflevector(acc[m][2], acc[m][2], 8, 9, 10, 11, 12, 13, 14, 15, 8,
+                                                            9, 10, 11, 12, 13, 14, 15);
+          const FloatTile low = gate_activation<GATE>(acc[m][0]) * up_low;
+          const FloatTile high = gate_activation<GATE>(acc[m][1]) * up_high;
+          std::memcpy(out + m * ldo, &low, sizeof(low));
+          std::memcpy(out + m * ldo + kLanes, &high, kHalf * sizeof(float));
+        }
+        return;
+      }
+    }
+    // Each row's sums go through L1 (a tile past the columns for the up half's last loads), and the rows'
+    // activations are computed side by side: one row's exp and division alone is a chain of dependent
+    // operations, MR of them interleave.
+    alignas(64) float sums[MR][(TILES + 1) * kLanes];
+    STRATA_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      STRATA_UNROLL
+      for (int t = 0; t < TILES; ++t) std::memcpy(sums[m] + t * kLanes, &acc[m][t], sizeof(FloatTile));
+      std::memset(sums[m] + TILES * kLanes, 0, kLanes * sizeof(float));
+    }
+    const int64_t half = columns / 2;
+    for (int64_t j = 0; j < half; j += kNativeLanes) {
+      const int64_t n = std::min<int64_t>(kNativeLanes, half - j);
+      STRATA_UNROLL
+      for (int m = 0; m < MR; ++m) {
+        NativeTile gate, up;
+        std::memcpy(&gate, sums[m] + j, sizeof(gate));
+        std::memcpy(&up, sums[m] + half + j, sizeof(up));
+        const NativeTile v = gate_activation<GATE>(gate) * up;
+        std::memcpy(out + m * ldo + j, &v, n * sizeof(float));
+      }
+    }
+    return;
+  }
   STRATA_UNROLL
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
@@ -145,29 +205,29 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   }
 }
 
-template <int TILES, bool PREFETCH>
+template <int TILES, bool PREFETCH, GateActivation GATE>
 inline void panel_block_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                              const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
                              Prefetch prefetch) {
   switch (rows) {
-    case 8: panel_block<8, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 7: panel_block<7, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 6: panel_block<6, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 5: panel_block<5, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 4: panel_block<4, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 3: panel_block<3, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 2: panel_block<2, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    default: panel_block<1, TILES, PREFETCH>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 8: panel_block<8, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 7: panel_block<7, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 6: panel_block<6, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 5: panel_block<5, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 4: panel_block<4, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 3: panel_block<3, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 2: panel_block<2, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    default: panel_block<1, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
   }
 }
 
 // panel_block for a panel `width` columns wide (whole tiles) and 1 to kPanelRows rows.
-template <bool PREFETCH>
+template <bool PREFETCH, GateActivation GATE>
 inline void panel_block_any(int64_t width, int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                             const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
                             Prefetch prefetch) {
   const auto block = [&](auto tiles) {
-    panel_block_rows<decltype(tiles)::value, PREFETCH>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
+    panel_block_rows<decltype(tiles)::value, PREFETCH, GATE>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
                                                        prefetch);
   };
   switch (width / kLanes) {
@@ -202,7 +262,9 @@ constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
 
 // out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, its panels
 // split over ATen's threads, at least `grain` panels a thread: one parallel region for all of them (a
-// layer's q, k and v projections in one call).
+// layer's q, k and v projections in one call). With a GATE, each weight was packed in gate and up pairs
+// (`pack_panels`, K at most kMaxDepth, no bias), and its N / 2 outputs are act(gate) * up.
+template <GateActivation GATE = GateActivation::kNone>
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
                        int64_t ldo, int64_t grain) {
   std::vector<int64_t> first_panel{0};  // weight i owns panels [first_panel[i], first_panel[i + 1])
@@ -224,7 +286,7 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
         const PanelWeight& w = weights[i];
         const int64_t width = panel_width(columns);
         const float* bias = w.bias ? w.bias + n0 : nullptr;
-        float* o = out + w.column + n0;
+        float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
         for (int64_t k0 = 0; k0 < K; k0 += depth) {
           const int64_t part = std::min(depth, K - k0);
           const float* panel = w.panels + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
@@ -249,9 +311,9 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
             const int64_t block = (r - m0) / kPanelRows;
             if (next && block > 0 && block <= kPrefetchingBlocks) {
               const Prefetch prefetch{reinterpret_cast<const char*>(next) + (block - 1) * share * 64, share};
-              panel_block_any<true>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
+              panel_block_any<true, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
             } else {
-              panel_block_any<false>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
+              panel_block_any<false, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
             }
           }
         }
