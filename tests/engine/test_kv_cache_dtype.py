@@ -72,7 +72,10 @@ def test_other_cache_dtypes_are_refused_by_name(value: object) -> None:
 
 
 def test_the_compiled_forward_reads_and_writes_a_16_bit_cache_as_eager_does() -> None:
-    """The compiled pieces write float32 keys and values into a float16 cache through the same ops."""
+    """The compiled pieces write float32 keys and values into a float16 cache through the same ops. Their
+    float32 arithmetic differs from eager's in the last bits (Inductor's fused loops against ATen's), and one
+    such difference can round a cached key or value to the neighbouring float16 (a relative step of 1e-3), so
+    logprobs agree to 1e-3; writing the cache wrongly would change them by far more."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     prompts = [PROMPT, "Lily had a dog"]
     runs = []
@@ -84,4 +87,4 @@ def test_the_compiled_forward_reads_and_writes_a_16_bit_cache_as_eager_does() ->
         for token, eager_entry, compiled_entry in zip(
             eager.outputs[0].token_ids, eager.outputs[0].logprobs, compiled.outputs[0].logprobs, strict=True
         ):
-            assert compiled_entry[token].logprob == pytest.approx(eager_entry[token].logprob, abs=1e-4)
+            assert compiled_entry[token].logprob == pytest.approx(eager_entry[token].logprob, abs=1e-3)

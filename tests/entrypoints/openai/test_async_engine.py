@@ -133,7 +133,9 @@ def test_startup_heap_is_frozen_after_its_garbage_is_collected(engine: AsyncLLME
     try:
         frozen = freeze_startup_heap()
         assert collected() is None
-        assert frozen >= 0.9 * tracked_before and frozen == gc.get_freeze_count()
+        # Frozen objects that were only the moment's temporaries (the call's own frames and arguments) may
+        # be freed since, which lowers the count by a few.
+        assert frozen >= 0.9 * tracked_before and 0 <= frozen - gc.get_freeze_count() < 1e-3 * frozen
         assert len(gc.get_objects()) < 0.01 * tracked_before
         model = engine.engine.runner.model
         assert gc.is_tracked(model) and all(obj is not model for obj in gc.get_objects())
