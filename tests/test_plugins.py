@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from strata import LLM, SamplingParams, plugins
 from strata.custom_op import CustomOp, op_registry, unregister_oot
+from strata.layers.activation import SiluAndMul
 from strata.layers.layernorm import GemmaRMSNorm
+from strata.layers.mlp import GluMLP
 
 
 @dataclass
@@ -178,3 +181,27 @@ def test_example_plugin_is_loaded_reported_and_executed(example_plugin_site: Pat
         verify = {check["op"]: check["max_abs_diff"] for check in report[impl]["verify"]}
         assert verify["rms_norm"] <= 1e-6
     assert {row["provider"] for row in reference.layer_providers()} == {"default"}
+
+
+def test_a_plugin_activation_keeps_its_glu_mlp_unfused(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Strata runs a GLU MLP's projection and activation as one kernel only when both are its own: with a
+    plugin's act-and-mul layer, that layer is what runs."""
+
+    class CountingSiluAndMul(SiluAndMul):
+        calls = 0
+
+        def forward_oot(self, x: torch.Tensor) -> torch.Tensor:
+            type(self).calls += 1
+            return self.forward_native(x)
+
+    CustomOp.register_oot(CountingSiluAndMul, name="SiluAndMul")
+    try:
+        llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True)
+        fused = llm.apply_model(
+            lambda model: [m.fused_activation for m in model.modules() if isinstance(m, GluMLP)]
+        )
+        llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        unregister_oot("SiluAndMul")
+    assert fused and not any(fused)
+    assert CountingSiluAndMul.calls >= 2 * len(fused)  # every MLP, in each of the two steps

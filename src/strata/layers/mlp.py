@@ -66,6 +66,7 @@ class GluMLP(PluggableLayer):
         self._glu_panels = prepacked_copy(gate_up.weight, activation)
         if self._glu_panels is not None:
             self.fused_activation = activation
+            self.forward_method_name = f"forward (strata_cpu::linear_glu, {activation})"  # what reports show
             gate_up.prepack, gate_up._packed_weight = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
