@@ -5,52 +5,38 @@
 
 #include "float_tiles.h"
 
-#include <algorithm>
 #include <bit>
 #include <cstdint>
 
 namespace strata_kernels {
 
-// exp(x) for x <= 0 within 3 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial,
-// 2^n through the exponent bits. Adding 1.5 * 2^23 rounds x / ln2 to the integer n in the low mantissa bits.
-// Below -87 (e^x < 2^-125, nothing next to a softmax's largest term, which is 1) it returns 0.
-inline float exp_nonpositive(float x) {
+// exp(x) for x <= 0 within 3 ulp, for a float (V = float, I = int32_t) or lane by lane for a vector of them
+// (V = NativeTile, I = NativeTileInt): x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor
+// polynomial, 2^n through the exponent bits. Adding 1.5 * 2^23 rounds x / ln2 to the integer n in the low
+// mantissa bits. Below -87 (e^x < 2^-125, nothing next to a softmax's largest term, which is 1) it returns 0.
+template <typename V, typename I>
+inline V exp_nonpositive_as(V x) {
   constexpr float kShift = 12582912.f;
-  const float clamped = std::max(x, -87.f);
-  const float shifted = clamped * 1.44269504f + kShift;
-  const float n = shifted - kShift;
-  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.f / 720;
+  const V lowest = V{} - 87.f;
+  const V clamped = x > lowest ? x : lowest;
+  const V shifted = clamped * 1.44269504f + kShift;
+  const V n = shifted - kShift;
+  const V r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
+  V p = V{} + 1.f / 720;
   p = p * r + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const int32_t exponent = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
-  return x < -87.f ? 0.f : p * std::bit_cast<float>(exponent << 23);
+  const I exponent = std::bit_cast<I>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
+  const V e = p * std::bit_cast<V>(exponent << 23);
+  return x < lowest ? V{} : e;
 }
 
-// exp_nonpositive lane by lane, in vector operations.
 using NativeTileInt = VectorOf<kNativeLanes, int32_t>::type;
-inline NativeTile exp_nonpositive(NativeTile x) {
-  constexpr float kShift = 12582912.f;
-  const NativeTile lowest = NativeTile{} - 87.f;
-  const NativeTile clamped = x > lowest ? x : lowest;
-  const NativeTile shifted = clamped * 1.44269504f + kShift;
-  const NativeTile n = shifted - kShift;
-  const NativeTile r = clamped - n * 0.693145752f - n * 1.42860677e-6f;
-  NativeTile p = NativeTile{} + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const NativeTileInt exponent = std::bit_cast<NativeTileInt>(shifted) - std::bit_cast<int32_t>(kShift) + 127;
-  const NativeTile e = p * std::bit_cast<NativeTile>(exponent << 23);
-  return x < lowest ? NativeTile{} : e;
-}
+inline float exp_nonpositive(float x) { return exp_nonpositive_as<float, int32_t>(x); }
+inline NativeTile exp_nonpositive(NativeTile x) { return exp_nonpositive_as<NativeTile, NativeTileInt>(x); }
 
 // The gate activations a GLU MLP's `act(gate) * up` can take inside Strata's kernels. Both are x * sigmoid(z):
 // SiLU with z = x, GELU's tanh form (0.5 x (1 + tanh(u)) = x * sigmoid(2u)) with u = sqrt(2 / pi) (x +
