@@ -323,7 +323,7 @@ struct PackedWeight {
 
   bool matches(const at::Tensor& weight) const {
     return !storage.expired() && storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl() &&
-           weight.sizes().vec() == sizes && weight.strides().vec() == strides &&
+           weight.sizes().equals(sizes) && weight.strides().equals(strides) &&  // no vector copies per call
            weight.scalar_type() == dtype && weight._version() == version;
   }
 };
