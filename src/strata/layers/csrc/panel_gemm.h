@@ -108,9 +108,9 @@ inline FloatTile load_columns(const float* p, int64_t n) {
 // out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, of which the first
 // `columns` columns are stored (rows of out `ldo` apart): bias added where given, or, with `accumulate`,
 // the sums already in out (an earlier part of the depth) added instead. With a GATE, the panel holds gate
-// and up pairs (`panel_row`) and out gets act(gate) * up, `columns / 2` values a row (no bias, whole depth). With PREFETCH, the first
-// `prefetch.lines` cache lines from `prefetch.from` on (at most K) are requested as well, one a k. A prefetch
-// never faults, so one past the end of the weight is harmless.
+// and up pairs (`panel_row`) and out gets act(gate) * up, `columns / 2` values a row (no bias, whole
+// depth). With PREFETCH, the first `prefetch.lines` cache lines from `prefetch.from` on (at most K) are
+// requested as well, one a k. A prefetch never faults, so one past the end of the weight is harmless.
 struct Prefetch {
   const char* from;
   int64_t lines;
@@ -269,6 +269,7 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
                        int64_t ldo, int64_t grain) {
   std::vector<int64_t> first_panel{0};  // weight i owns panels [first_panel[i], first_panel[i + 1])
   for (const auto& w : weights) first_panel.push_back(first_panel.back() + panel_count(w.N));
+  TORCH_CHECK(GATE == GateActivation::kNone || K <= kMaxDepth, "panel_gemm: a gated GEMM takes its whole depth");
   const int64_t depth = K <= kMaxDepth ? K : kDepthPart;
   const int64_t chunk_rows = std::max<int64_t>(kPanelRows, kChunkBytes / (depth * 4) / kPanelRows * kPanelRows);
   // Panel g's weight, its first column and how many of the weight's columns it holds.
