@@ -155,35 +155,44 @@ struct Indices {
   int64_t operator[](int64_t i) const { return i32 ? i32[i] : i64[i]; }
 };
 
-// Blocks of a sequence's keys and values kept on their way into L2 ahead of the one being read, and what
-// the work loop prefetches of the next work item. Into L2, not L1: a block's worth of L1 prefetches at once
-// holds the miss buffers this block's own loads need. Each block is asked for three times, three, two and
-// one block ahead, because a prefetch the memory system has no room for is dropped, and a later request
-// finds room. Measured on a Zen 4 EPYC (2 threads, 30 layers' caches read from memory, head dim 64, 1 to 32
-// sequences of 96 to 1024 tokens, 1 to 8 KV heads): one block ahead into L2 was 1.09-1.50x one block ahead
-// into L1 (and none at all 0.83-1.37x); two blocks ahead asked twice, with the next item's first two blocks
-// prefetched during the current item, 1.04-1.23x more; two blocks ahead asked once only 0.99-1.08x. Three
-// ahead against two (SmolLM's 3 KV heads, blocks of a sequence 32 apart as a batch's decode allocates them):
-// 1.04x at 32 sequences of 96 tokens, 1.10-1.13x at 200-400, 1.08-1.13x at 2-16 sequences of 150-2000
-// tokens; at one sequence 0.96-0.99x up to 600 tokens (a few microseconds a step) and 1.10x at 2000.
-// Asking only two and three blocks ahead, or one and three, or up to four ahead, did less.
+// How far ahead of the block being read a sequence's keys and values are asked into L2. Into L2, not L1: L1
+// prefetches would hold the miss buffers the block's own loads need. A prefetch the memory system has no room
+// for is dropped, so each line is asked for more than once. The tiled kernel asks, with each key it reads,
+// for the same token's rows in the next `kStreamBlocks` blocks (one and two blocks ahead): the requests then
+// come at the pace the memory serves them. Asking for a whole block at a time, one to three blocks ahead
+// (stop 24's scheme), sent a block's worth of requests at once, more than the miss queue holds. Against it,
+// the kernel alone (Zen 4 EPYC, 2 threads, 30 layers' caches read from memory, head dim 64, blocks of a
+// sequence 32 apart as a batch's decode allocates them, alternated): 1.03-1.10x at 32 sequences of 96 tokens,
+// 1.035x at 200, 1.063x at 400, 1.119x at 8 sequences of 300, 1.11-1.12x at one sequence of 300 and 2000, 1.097x
+// with one KV head, 1.068x with a float16 cache, 1.028x with the caches in L3 (fewer prefetch instructions).
+// Each key asking two blocks ahead only, or one and three, or two and three ahead: 0.95-1.05x; one, two and
+// three: 1.094x. The work loop asks for the next item's first kPrefetchBlocks blocks while the current item is
+// computed, a block at a time: there the pace matters less than being early.
+constexpr int kStreamBlocks = 2;
 constexpr int64_t kPrefetchBlocks = 3;
 
-// Prefetches into L2 the keys and values of the KV head in block `index` of a sequence's `table`, when the
-// context [0, len) reaches that block and its id is valid (an invalid one is reported where it is read).
+// The first key and value of the KV head in block `index` of a sequence's `table`, as bytes; nulls where the
+// context [0, len) does not reach that block or its id is invalid (an invalid one is reported where it is read).
+template <typename T>
+inline std::pair<const char*, const char*> block_rows(const Shape& s, const T* k, const T* v, Indices table,
+                                                      int64_t index, int64_t len, int64_t kv_head) {
+  if (index * s.block_size >= len) return {nullptr, nullptr};
+  const int64_t id = table[index];
+  if (id < 0 || id >= s.num_blocks) return {nullptr, nullptr};
+  return {reinterpret_cast<const char*>(k + id * s.k_strides[0] + kv_head * s.k_strides[2]),
+          reinterpret_cast<const char*>(v + id * s.v_strides[0] + kv_head * s.v_strides[2])};
+}
+
+// Prefetches into L2 the keys and values of the KV head in block `index` of a sequence's `table` (`block_rows`).
 // Always inlined: where the caller's head dims are compile-time constants the line loops unroll (a loop left
 // rolled made the tiled kernel slower than prefetching one block only).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_block(const Shape& s, const T* k, const T* v, Indices table,
                                                           int64_t index, int64_t len, int64_t kv_head,
                                                           int64_t key_bytes, int64_t value_bytes) {
-  const int64_t bs = s.block_size;
-  if (index * bs >= len) return;
-  const int64_t id = table[index];
-  if (id < 0 || id >= s.num_blocks) return;
-  const char* kb = reinterpret_cast<const char*>(k + id * s.k_strides[0] + kv_head * s.k_strides[2]);
-  const char* vb = reinterpret_cast<const char*>(v + id * s.v_strides[0] + kv_head * s.v_strides[2]);
-  const int64_t tokens = std::min(bs, len - index * bs);
+  const auto [kb, vb] = block_rows(s, k, v, table, index, len, kv_head);
+  if (!kb) return;
+  const int64_t tokens = std::min(s.block_size, len - index * s.block_size);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t c = 0; c < key_bytes; c += 64) __builtin_prefetch(kb + t * s.k_strides[1] * sizeof(T) + c, 0, 2);
     for (int64_t c = 0; c < value_bytes; c += 64) __builtin_prefetch(vb + t * s.v_strides[1] * sizeof(T) + c, 0, 2);
@@ -258,12 +267,14 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t f
 // heads walk the sequence's keys in chunks of up to kTile keys (one chunk per block at block size 16). Each
 // chunk's MG score vectors (one lane per key, from `lane_sums`) stay in registers through the mask, soft-cap,
 // max, exp and sum; the heads' queries and outputs are register tiles held across the whole sequence, and the
-// next blocks' keys and values are prefetched into L2 while this one is computed (`kPrefetchBlocks`).
+// next blocks' keys and values are prefetched into L2 while this one is computed (`kStreamBlocks`).
 template <int MG, int DT, int DVT, typename T>
 void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
                   int64_t kv_head, const float* q, float* out, float* stats) {
   const int64_t bs = s.block_size, D = s.head_dim, Dv = s.value_dim;
   const int64_t ks = s.k_strides[1], vs = s.v_strides[1];
+  constexpr int64_t kKeyBytes = DT * kTile * sizeof(T), kValueBytes = DVT * kTile * sizeof(T);
+  const int64_t key_row = ks * sizeof(T), value_row = vs * sizeof(T);  // bytes from one token's rows to the next
   Tile qt[MG][DT];
   for (int g = 0; g < MG; ++g)
     for (int d = 0; d < DT; ++d) qt[g][d] = load_native(q + g * D + d * kTile);
@@ -289,14 +300,25 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
     const T* vb = v + id * s.v_strides[0] + kv_head * s.v_strides[2];
     const int64_t lo = std::max(first, block * bs) - block * bs;
     const int64_t hi = std::min(len, (block + 1) * bs) - block * bs;
-    for (int64_t ahead = 1; ahead <= kPrefetchBlocks; ++ahead)
-      prefetch_block(s, k, v, table, block + ahead, len, kv_head, DT * kTile * sizeof(T), DVT * kTile * sizeof(T));
+    // The KV head's rows in the next kStreamBlocks blocks, asked for key by key below (`kStreamBlocks`).
+    const char* ahead_keys[kStreamBlocks];
+    const char* ahead_values[kStreamBlocks];
+    for (int a = 0; a < kStreamBlocks; ++a) {
+      std::tie(ahead_keys[a], ahead_values[a]) = block_rows(s, k, v, table, block + 1 + a, len, kv_head);
+    }
     if ((block + 1) * bs < len) id = table[block + 1];
     for (int64_t c0 = lo; c0 < hi; c0 += kTile) {
       const int64_t n = std::min<int64_t>(kTile, hi - c0);
       Tile dots[MG][kTile];
       for (int64_t t = 0; t < n; ++t) {
         const T* key = kb + (c0 + t) * ks;
+        for (int a = 0; a < kStreamBlocks; ++a) {
+          if (!ahead_keys[a]) continue;
+          for (int64_t c = 0; c < kKeyBytes; c += 64) __builtin_prefetch(ahead_keys[a] + (c0 + t) * key_row + c, 0, 2);
+          for (int64_t c = 0; c < kValueBytes; c += 64) {
+            __builtin_prefetch(ahead_values[a] + (c0 + t) * value_row + c, 0, 2);
+          }
+        }
         Tile kt[DT];
         for (int d = 0; d < DT; ++d) kt[d] = load_native(key + d * kTile);
         for (int g = 0; g < MG; ++g) {
