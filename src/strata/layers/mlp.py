@@ -46,9 +46,8 @@ class GluMLP(PluggableLayer):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype)
         self.act_fn = act_and_mul
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=down_bias, dtype=dtype)
-        self.fused_activation: str | None = (
-            None  # set where `linear_glu` serves (`process_weights_after_loading`)
-        )
+        # Set where `linear_glu` serves (`process_weights_after_loading`).
+        self.fused_activation: str | None = None
         self._glu_panels: ProcessLocalValue[torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
