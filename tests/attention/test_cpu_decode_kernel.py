@@ -400,6 +400,63 @@ def test_a_step_the_kernel_serves_worse_is_bound_to_the_reference_write_and_atte
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("seq_lens", "rows_at"),
+    [
+        ([1, 16, 17, 50, 100], "newest"),  # each work item stores its own sequence's row
+        ([700], "newest"),  # the context is attended in parts: the last part stores the row
+        ([30, 40, 50], "swapped"),  # rows 0 and 1 hold each other's sequence's token: stored first
+        ([30, 40, 50], "earlier"),  # row 2's slot is a position before its sequence's last
+    ],
+)
+def test_decode_write_and_attend_stores_every_row_before_it_is_read(
+    threads: Callable[[int], None],
+    num_threads: int,
+    cache_dtype: torch.dtype,
+    seq_lens: list[int],
+    rows_at: str,
+) -> None:
+    """Where each row is its sequence's newest token, the work items store their own rows as they start;
+    anywhere else every row is stored before any item reads. Either way the cache and the output are the
+    reference's write-then-attend, also with float32 rows read from a fused q/k/v row and rounded into a
+    float16 cache, GQA heads and a sliding window."""
+    generator = torch.Generator().manual_seed(len(seq_lens))
+    heads, kv_heads, dim, window = 9, 3, 64, 600
+    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, generator=generator).to(cache_dtype)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    positions = [length - 1 for length in seq_lens]
+    owners = list(range(len(seq_lens)))
+    if rows_at == "swapped":
+        owners[0], owners[1] = 1, 0
+    elif rows_at == "earlier":
+        positions[2] -= 5
+    slots = torch.tensor(
+        [int(tables[b, positions[b] // BLOCK_SIZE]) * BLOCK_SIZE + positions[b] % BLOCK_SIZE for b in owners]
+    )
+    fused = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * dim, generator=generator)
+    query = fused[:, : heads * dim].view(-1, heads, dim) * 3
+    key = fused[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    value = fused[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+    settings = (dim**-0.5, 0.0, window)
+    expected_cache = kv_cache.clone()
+    torch_native.write_to_kv_cache(key, value, expected_cache, slots)
+    expected = torch.ops.strata_cpu.paged_decode_attention(
+        query, expected_cache[0], expected_cache[1], tables, lens, *settings
+    )
+    threads(num_threads)
+    out = torch.ops.strata_cpu.decode_attention_with_kv_write(
+        query, key, value, kv_cache, slots, tables, lens, *settings
+    )
+    assert torch.equal(kv_cache, expected_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_write_and_attend_rejects_a_cache_without_its_key_value_axis() -> None:
     query, k_cache, _, block_tables, seq_lens = _paged_inputs(4, 4, 16, torch.float32)
     key = torch.zeros(len(SEQ_LENS), 4, 16)

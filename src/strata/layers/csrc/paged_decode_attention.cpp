@@ -459,10 +459,18 @@ void merge_parts(const float* part_out, const float* part_stats, int64_t parts, 
   }
 }
 
-// The general path (`attend_one`) serves other head dims and value dims that differ from the key's.
+// A step's keys and values to store (`StepRows`, with the cache writes below); store_newest stores row b's
+// KV head `kv_head`.
+struct StepRows;
+void store_newest(const StepRows& rows, int64_t b, int64_t kv_head);
+
+// The general path (`attend_one`) serves other head dims and value dims that differ from the key's. With
+// `newest` (row b of it is sequence b's newest token), the item that reads a sequence's last token stores that
+// token's key and value of its KV head first: the stores run on every thread instead of on one before the
+// items, and the line each lands in is the one its item reads last.
 template <typename T>
 void decode_attention(const Shape& s, const float* query, const T* k, const T* v, const at::Tensor& tables,
-                      const std::vector<int64_t>& lens, float* out) {
+                      const std::vector<int64_t>& lens, float* out, const StepRows* newest) {
   const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
   const Indices table_all(tables);
   const AttendFn<T> tiled = tiled_path<T>(s);
@@ -497,6 +505,7 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
           prefetch_block(s, k, v, next_table, next_first / s.block_size + ahead, next_last, next_head,
                          s.head_dim * sizeof(T), s.value_dim * sizeof(T));
       }
+      if (newest && last == lens[b]) store_newest(*newest, b, kv_head);
       const float* qb = query + (b * s.heads + kv_head * group) * s.head_dim;
       for (int64_t i = 0; i < group * s.head_dim; ++i) q[i] = qb[i] * s.scale;
       float* o = parts > 1 ? part_out.data() + work * group * s.value_dim
@@ -554,10 +563,120 @@ std::ostream& operator<<(std::ostream& out, const CacheHalf& half) {
   return out << at::IntArrayRef(half.sizes.data(), half.sizes.size());
 }
 
-// paged_decode_attention on caches given as halves (`CacheHalf`), each head's values contiguous.
+// Whether each token's [Hkv, D] of `rows` lies contiguously in memory, whatever the stride between tokens.
+bool token_rows_contiguous(const at::Tensor& rows) {
+  return (rows.size(2) <= 1 || rows.stride(2) == 1) && (rows.size(1) <= 1 || rows.stride(1) == rows.size(2));
+}
+
+// Rounds n float32 values into a 16-bit cache's dtype as `to()` does (to nearest, ties to even).
+template <typename T>
+void narrow_into(char* to, const char* from, int64_t n) {
+  const float* source = reinterpret_cast<const float*>(from);
+  T* target = reinterpret_cast<T*>(to);
+  for (int64_t i = 0; i < n; ++i) target[i] = static_cast<T>(source[i]);
+}
+
+// `rows` [T, Hkv, D] (any floating dtype) as `store_heads` reads them for `cache`: rows in the cache's dtype,
+// or float32 rows for a 16-bit cache, where they lie (rounded when stored). A decode step's values are a
+// strided view of the layer's fused q/k/v projection, and a contiguous or converted copy of them first cost
+// a tensor per layer. Other rows are converted here.
+at::Tensor cache_rows(const char* op, const at::Tensor& rows, const CacheHalf& cache, int64_t tokens) {
+  TORCH_CHECK(rows.dim() == 3, op, "rows must be [tokens, kv_heads, head_dim], got ", rows.sizes());
+  TORCH_CHECK(rows.size(0) == tokens && rows.size(1) == cache.sizes[2] && rows.size(2) == cache.sizes[3], op,
+              "rows ", rows.sizes(), " do not fit slot_mapping [", tokens, "] and cache ", cache);
+  TORCH_CHECK(cache.strides[3] == 1 && cache.strides[2] == cache.sizes[3], op,
+              "each cache slot must hold its heads contiguously");
+  const bool narrows = rows.scalar_type() == at::kFloat && (cache.dtype == at::kBFloat16 || cache.dtype == at::kHalf);
+  const bool in_place = (rows.scalar_type() == cache.dtype || narrows) && token_rows_contiguous(rows);
+  return in_place ? rows : rows.to(cache.dtype).contiguous();
+}
+
+// Copies KV heads [head, head + heads) of token t of `src` (`cache_rows`) to the flat slot `slot` (block *
+// block_size + offset, checked by the caller) of `cache` [num_blocks, block_size, Hkv, D].
+void store_heads(const CacheHalf& cache, const at::Tensor& src, int64_t t, int64_t slot, int64_t head,
+                 int64_t heads) {
+  const int64_t block_size = cache.sizes[1], elements = heads * src.size(2);
+  char* to = cache.data + ((slot / block_size) * cache.strides[0] + (slot % block_size) * cache.strides[1] +
+                           head * cache.strides[2]) * cache.itemsize;
+  const char* from = static_cast<const char*>(src.const_data_ptr()) +
+                     (t * src.stride(0) + head * src.stride(1)) * src.element_size();
+  if (src.scalar_type() == cache.dtype) {
+    std::memcpy(to, from, elements * cache.itemsize);
+  } else if (cache.dtype == at::kHalf) {
+    narrow_into<c10::Half>(to, from, elements);
+  } else {
+    narrow_into<c10::BFloat16>(to, from, elements);
+  }
+}
+
+// A step's keys [T, Hkv, D] and values [T, Hkv, Dv] with their flat slots [T], checked (every slot before
+// anything is stored) and ready to store into the key and value halves of a cache.
+struct StepRows {
+  CacheHalf k, v;
+  at::Tensor slots, keys, values;
+  Indices slot_at;
+
+  StepRows(const char* op, const at::Tensor& key, const at::Tensor& value, const CacheHalf& k_cache,
+           const CacheHalf& v_cache, const at::Tensor& slot_mapping)
+      : k(k_cache),
+        v(v_cache),
+        slots(checked_slots(op, slot_mapping, k_cache, v_cache)),
+        keys(cache_rows(op, key, k_cache, slots.size(0))),
+        values(cache_rows(op, value, v_cache, slots.size(0))),
+        slot_at(slots) {}
+
+  int64_t tokens() const { return slots.size(0); }
+  // Token t's key and value rows of KV heads [head, head + heads).
+  void store(int64_t t, int64_t head, int64_t heads) const {
+    store_heads(k, keys, t, slot_at[t], head, heads);
+    store_heads(v, values, t, slot_at[t], head, heads);
+  }
+  void store_all() const {
+    for (int64_t t = 0; t < tokens(); ++t) store(t, 0, k.sizes[2]);
+  }
+
+ private:
+  static at::Tensor checked_slots(const char* op, const at::Tensor& slot_mapping, const CacheHalf& k,
+                                  const CacheHalf& v) {
+    TORCH_CHECK(slot_mapping.dim() == 1 &&
+                    (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
+                op, "slot_mapping must be a 1-D int32 or int64 tensor");
+    TORCH_CHECK(k.same_blocks(v, 2), op,
+                "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] with one block layout");
+    at::Tensor slots = slot_mapping.contiguous();
+    const int64_t capacity = k.sizes[0] * k.sizes[1];
+    const Indices slot_at(slots);
+    for (int64_t t = 0; t < slots.size(0); ++t) {
+      TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < capacity, op, "slot ", slot_at[t], " of token ", t,
+                  " is outside the cache's ", capacity, " slots");
+    }
+    return slots;
+  }
+};
+
+void store_newest(const StepRows& rows, int64_t b, int64_t kv_head) { rows.store(b, kv_head, 1); }
+
+// Whether row b of a step's keys is sequence b's newest token, at position lens[b] - 1 of its own block table,
+// for every b (a decode step): then no sequence reads another's new row, and each work item can store its own.
+bool rows_are_newest_tokens(const StepRows& rows, const at::Tensor& tables, const std::vector<int64_t>& lens,
+                            int64_t block_size) {
+  if (rows.tokens() != static_cast<int64_t>(lens.size())) return false;
+  const Indices table_at(tables);
+  for (int64_t b = 0; b < rows.tokens(); ++b) {
+    if (lens[b] < 1) return false;
+    const int64_t position = lens[b] - 1;
+    const int64_t block = table_at[b * tables.stride(0) + position / block_size];
+    if (rows.slot_at[b] != block * block_size + position % block_size) return false;
+  }
+  return true;
+}
+
+// paged_decode_attention on caches given as halves (`CacheHalf`), each head's values contiguous. With
+// `step`, this step's keys and values are stored first: by the work items themselves where each row is its
+// sequence's newest token (`rows_are_newest_tokens`), else all of them before any item starts.
 at::Tensor attend_cache(const char* op, const at::Tensor& query, const CacheHalf& k, const CacheHalf& v,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, double softcap,
-                        int64_t sliding_window) {
+                        int64_t sliding_window, const StepRows* step = nullptr) {
   TORCH_CHECK(query.dim() == 3, op, "query must be [batch, heads, head_dim], got ", query.sizes());
   TORCH_CHECK(k.same_blocks(v, 3), op, "k_cache and v_cache differ in blocks, block size or heads: ", k, " vs ", v);
   const auto dtype = k.dtype;
@@ -592,6 +711,11 @@ at::Tensor attend_cache(const char* op, const at::Tensor& query, const CacheHalf
                 " tokens");
   }
 
+  if (step && !rows_are_newest_tokens(*step, tables, lens, shape.block_size)) {
+    step->store_all();
+    step = nullptr;
+  }
+
   // In query's dtype where the results can be rounded into it here, else float32 and converted.
   const bool direct = strata_kernels::FloatResults::writes(query.scalar_type());
   at::Tensor out = at::empty({batch, heads, shape.value_dim}, query.options().dtype(direct ? query.scalar_type()
@@ -600,13 +724,13 @@ at::Tensor attend_cache(const char* op, const at::Tensor& query, const CacheHalf
   float* o = results.data();
   switch (dtype) {
     case at::kFloat:
-      decode_attention(shape, q.data(), k.as<float>(), v.as<float>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.as<float>(), v.as<float>(), tables, lens, o, step);
       break;
     case at::kBFloat16:
-      decode_attention(shape, q.data(), k.as<c10::BFloat16>(), v.as<c10::BFloat16>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.as<c10::BFloat16>(), v.as<c10::BFloat16>(), tables, lens, o, step);
       break;
     default:
-      decode_attention(shape, q.data(), k.as<c10::Half>(), v.as<c10::Half>(), tables, lens, o);
+      decode_attention(shape, q.data(), k.as<c10::Half>(), v.as<c10::Half>(), tables, lens, o, step);
       break;
   }
   results.finish();
@@ -630,70 +754,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                       sliding_window);
 }
 
-// Whether each token's [Hkv, D] of `rows` lies contiguously in memory, whatever the stride between tokens.
-bool token_rows_contiguous(const at::Tensor& rows) {
-  return (rows.size(2) <= 1 || rows.stride(2) == 1) && (rows.size(1) <= 1 || rows.stride(1) == rows.size(2));
-}
-
-// Rounds n float32 values into a 16-bit cache's dtype as `to()` does (to nearest, ties to even).
-template <typename T>
-void narrow_into(char* to, const char* from, int64_t n) {
-  const float* source = reinterpret_cast<const float*>(from);
-  T* target = reinterpret_cast<T*>(to);
-  for (int64_t i = 0; i < n; ++i) target[i] = static_cast<T>(source[i]);
-}
-
-// Copies `rows` [T, Hkv, D] (any floating dtype) into `cache` [num_blocks, block_size, Hkv, D] at the flat
-// slots `slots` [T] (block * block_size + offset), which the caller checked. Rows in the cache's dtype, or
-// float32 rows for a 16-bit cache, are read from where they lie, token by token (and rounded on the way):
-// a decode step's values are a strided view of the layer's fused q/k/v projection, and a contiguous or
-// converted copy of them first cost a tensor per layer.
-void write_rows(const char* op, const at::Tensor& rows, const CacheHalf& cache, const at::Tensor& slots) {
-  TORCH_CHECK(rows.dim() == 3, op, "rows must be [tokens, kv_heads, head_dim], got ", rows.sizes());
-  TORCH_CHECK(rows.size(0) == slots.size(0) && rows.size(1) == cache.sizes[2] && rows.size(2) == cache.sizes[3],
-              op, "rows ", rows.sizes(), " do not fit slot_mapping ", slots.sizes(), " and cache ", cache);
-  TORCH_CHECK(cache.strides[3] == 1 && cache.strides[2] == cache.sizes[3], op,
-              "each cache slot must hold its heads contiguously");
-  const bool narrows = rows.scalar_type() == at::kFloat && (cache.dtype == at::kBFloat16 || cache.dtype == at::kHalf);
-  const bool in_place = (rows.scalar_type() == cache.dtype || narrows) && token_rows_contiguous(rows);
-  const at::Tensor src = in_place ? rows : rows.to(cache.dtype).contiguous();
-  const int64_t block_size = cache.sizes[1], elements = src.size(1) * src.size(2);
-  const int64_t token_bytes = src.stride(0) * src.element_size();
-  const int64_t block_bytes = cache.strides[0] * cache.itemsize, slot_bytes = cache.strides[1] * cache.itemsize;
-  const char* from = static_cast<const char*>(src.const_data_ptr());
-  const Indices slot_at(slots);
-  for (int64_t t = 0; t < src.size(0); ++t) {
-    const int64_t slot = slot_at[t];
-    char* to = cache.data + (slot / block_size) * block_bytes + (slot % block_size) * slot_bytes;
-    if (src.scalar_type() == cache.dtype) {
-      std::memcpy(to, from + t * token_bytes, elements * cache.itemsize);
-    } else if (cache.dtype == at::kHalf) {
-      narrow_into<c10::Half>(to, from + t * token_bytes, elements);
-    } else {
-      narrow_into<c10::BFloat16>(to, from + t * token_bytes, elements);
-    }
-  }
-}
-
-// write_kv_cache on caches given as halves: every slot is checked before anything is written.
-void write_cache(const char* op, const at::Tensor& key, const at::Tensor& value, const CacheHalf& k,
-                 const CacheHalf& v, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(slot_mapping.dim() == 1 &&
-                  (slot_mapping.scalar_type() == at::kInt || slot_mapping.scalar_type() == at::kLong),
-              op, "slot_mapping must be a 1-D int32 or int64 tensor");
-  TORCH_CHECK(k.same_blocks(v, 2), op,
-              "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim] with one block layout");
-  const at::Tensor slots = slot_mapping.contiguous();
-  const int64_t capacity = k.sizes[0] * k.sizes[1];
-  const Indices slot_at(slots);
-  for (int64_t t = 0; t < slots.size(0); ++t) {
-    TORCH_CHECK(slot_at[t] >= 0 && slot_at[t] < capacity, op, "slot ", slot_at[t], " of token ", t,
-                " is outside the cache's ", capacity, " slots");
-  }
-  write_rows(op, key, k, slots);
-  write_rows(op, value, v, slots);
-}
-
 // Stores this step's key [T, Hkv, D] and value [T, Hkv, Dv] at their slots of k_cache and v_cache, converting
 // to the cache's dtype: what `index_copy_` into the flattened caches does, in one call instead of two.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -702,7 +762,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, op,
               "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim], got ", k_cache.sizes(),
               " and ", v_cache.sizes());
-  write_cache(op, key, value, CacheHalf::of(k_cache), CacheHalf::of(v_cache), slot_mapping);
+  StepRows(op, key, value, CacheHalf::of(k_cache), CacheHalf::of(v_cache), slot_mapping).store_all();
 }
 
 // A decode step's whole attention for one layer in one call: store this step's keys and values, then attend.
@@ -716,8 +776,8 @@ at::Tensor decode_attention_with_kv_write(const at::Tensor& query, const at::Ten
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, op,
               "kv_cache must be [2, num_blocks, block_size, kv_heads, head_dim], got ", kv_cache.sizes());
   const CacheHalf k = CacheHalf::of_pair(kv_cache, 0), v = CacheHalf::of_pair(kv_cache, 1);
-  write_cache(op, key, value, k, v, slot_mapping);
-  return attend_cache(op, query, k, v, block_tables, seq_lens, scale, softcap, sliding_window);
+  const StepRows step(op, key, value, k, v, slot_mapping);
+  return attend_cache(op, query, k, v, block_tables, seq_lens, scale, softcap, sliding_window, &step);
 }
 
 }  // namespace
