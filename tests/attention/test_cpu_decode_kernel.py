@@ -154,6 +154,34 @@ def test_long_contexts_of_few_sequences_are_split_over_threads_and_merged(
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[900, 700, 500, 300, 100, 40, 20, 5], [3, 1200, 9, 14, 30, 2, 1, 64, 17]],
+    ids=["longest first", "one long among short"],
+)
+def test_threads_split_the_items_by_their_tokens_and_every_item_is_attended_once(
+    threads: Callable[[int], None], num_threads: int, seq_lens: list[int]
+) -> None:
+    """Each thread takes a run of (sequence, KV head) items holding about an equal share of the tokens, so
+    the runs have different numbers of items: every item is still attended exactly once, as the reference
+    and one thread attend it."""
+    generator = torch.Generator().manual_seed(num_threads)
+    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * max_blocks + 2
+    shape = (num_blocks, BLOCK_SIZE, 2, 32)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    query = torch.randn(len(seq_lens), 6, 32, generator=generator) * 3
+    args = (query, k_cache, v_cache, tables, torch.tensor(seq_lens), 32**-0.5, 0.0, 0)
+    threads(num_threads)
+    out = torch.ops.strata_cpu.paged_decode_attention(*args)
+    threads(1)
+    torch.testing.assert_close(out, torch.ops.strata_cpu.paged_decode_attention(*args), rtol=0, atol=0)
+    torch.testing.assert_close(out, torch_native._decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:
     """The model runner builds int64 block tables; a head_dim that is not a multiple of 16 has a tail."""
     query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(6, 3, 17, torch.float32, seed=1)
