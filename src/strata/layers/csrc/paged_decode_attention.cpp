@@ -11,7 +11,8 @@
 // with an equal share of the tokens to read (`balanced_runs`). The query heads that share a KV head (GQA)
 // are computed together, so each key and value row serves all of them from L1. When there are too few items
 // to keep every thread busy (a batch of one), each sequence's context is also split into parts of at least
-// 256 tokens, attended separately and merged by their softmax sums, as flash-decoding does.
+// 256 tokens, attended separately and merged by their softmax sums, as flash-decoding does; so is a context
+// much longer than the others' (`context_parts`).
 //
 // C++ (`#pragma omp simd` loops and GCC/Clang vector types; only the widening loads of `float_tiles.h` use
 // x86 intrinsics where the CPU has them) vectorised by the compiler for this CPU (-O3 -march=native); it is
@@ -407,20 +408,39 @@ AttendFn<T> tiled_path(const Shape& s) {
   }
 }
 
-// A sequence's context is split into parts (each its own work item, merged afterwards) only when there are
-// fewer (sequence, KV head) items than twice the threads, and only into parts of at least this many tokens:
-// shorter parts cost more to merge than they save.
+// A sequence's context is split into parts (each its own work item, merged afterwards) of at least this many
+// tokens: shorter parts cost more to merge than they save.
 constexpr int64_t kMinPartTokens = 256;
 
-// How many parts each sequence's context is split into: enough for two items per thread, so that a batch of
-// one, whose few KV heads leave threads idle or unevenly loaded (3 heads on 2 threads), keeps every thread
-// busy to the end, and each thread reads whole stretches of the cache.
-int64_t context_parts(int64_t items, int64_t longest_context, int64_t block_size) {
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || items >= 2 * threads) return 1;
-  const int64_t wanted = (2 * threads + items - 1) / items;
-  const int64_t most = std::max<int64_t>(1, longest_context / std::max(kMinPartTokens, block_size));
-  return std::min(wanted, most);
+// Where a batch has many items, the most tokens an item may read, as a fraction of one thread's share of all
+// items' tokens: the threads' runs (`balanced_runs`) are cut between whole items, so one long context among
+// short ones (its KV heads' items together over half the tokens) left one thread reading long after the other.
+constexpr int64_t kItemsPerThreadShare = 8;
+
+// How many parts each sequence's context (spans[b] tokens from its first attended position) is split into.
+// With fewer (sequence, KV head) items than twice the threads (a batch of one, whose few KV heads leave
+// threads idle or unevenly loaded: 3 heads on 2 threads), every context into enough parts for two items per
+// thread, so each thread reads whole stretches of the cache. Otherwise only the contexts longer than an
+// eighth of a thread's share (`kItemsPerThreadShare`), into parts of at most that.
+std::vector<int64_t> context_parts(const std::vector<int64_t>& spans, int64_t kv_heads, int64_t block_size) {
+  const int64_t threads = at::get_num_threads(), batch = static_cast<int64_t>(spans.size());
+  std::vector<int64_t> parts(batch, 1);
+  if (threads <= 1 || batch == 0) return parts;
+  const int64_t shortest_part = std::max(kMinPartTokens, block_size);
+  const auto at_most = [&](int64_t span, int64_t wanted) {
+    return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, span / shortest_part));
+  };
+  const int64_t items = batch * kv_heads;
+  if (items < 2 * threads) {
+    const int64_t longest = *std::max_element(spans.begin(), spans.end());
+    std::fill(parts.begin(), parts.end(), at_most(longest, (2 * threads + items - 1) / items));
+    return parts;
+  }
+  int64_t tokens = 0;
+  for (const int64_t span : spans) tokens += span * kv_heads;
+  const int64_t longest_item = std::max(shortest_part, tokens / threads / kItemsPerThreadShare);
+  for (int64_t b = 0; b < batch; ++b) parts[b] = at_most(spans[b], (spans[b] + longest_item - 1) / longest_item);
+  return parts;
 }
 
 // Part `part` of `parts` of the token span [first, len), cut at block boundaries.
@@ -460,18 +480,16 @@ void merge_parts(const float* part_out, const float* part_stats, int64_t parts, 
   }
 }
 
-// A work item's fixed cost, in tokens of its KV head read: 32 sequences at contexts of 48 to 400 tokens
-// (Zen 4 EPYC, 2 threads, 30 layers' float32 caches from memory, head dim 64, 3 KV heads) took about
-// 0.15 us an item beside 19 ns a token an item.
-constexpr int64_t kItemCostTokens = 8;
+// A work item's fixed cost, in tokens of its KV head read: 32 sequences at contexts of 16 to 400 tokens
+// (Zen 4 EPYC, 2 threads, float32 caches from memory, head dim 64, 3 KV heads) took about 0.3 us an item
+// beside 19 ns a token an item. Counted as 8 tokens, the runs of short items came out long: one 8000-token
+// context among 31 of 50 attended 0.95x as fast with that context in parts as without.
+constexpr int64_t kItemCostTokens = 16;
 
-// Cuts work items [0, count) into `threads` contiguous runs of about equal cost (`tokens(item)` plus
-// kItemCostTokens each): run t is [runs[t], runs[t + 1]).
-template <typename Tokens>
-std::vector<int64_t> balanced_runs(int64_t count, int64_t threads, Tokens&& tokens) {
-  std::vector<int64_t> cost{0};  // cost[i]: items [0, i)
-  cost.reserve(count + 1);
-  for (int64_t i = 0; i < count; ++i) cost.push_back(cost.back() + tokens(i) + kItemCostTokens);
+// Cuts work items into `threads` contiguous runs of about equal cost, from the items' running costs (cost[i]:
+// items [0, i)): run t is [runs[t], runs[t + 1]).
+std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int64_t threads) {
+  const int64_t count = static_cast<int64_t>(cost.size()) - 1;
   std::vector<int64_t> runs(threads + 1, count);
   runs[0] = 0;
   for (int64_t t = 1; t < threads; ++t) {
@@ -499,42 +517,53 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
   const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
   const Indices table_all(tables);
   const AttendFn<T> tiled = tiled_path<T>(s);
-  std::vector<int64_t> firsts(batch);
-  int64_t longest = 0;
+  std::vector<int64_t> firsts(batch), spans(batch);
   for (int64_t b = 0; b < batch; ++b) {
     firsts[b] = s.sliding_window > 0 ? std::max<int64_t>(0, lens[b] - s.sliding_window) : 0;
-    longest = std::max(longest, lens[b] - firsts[b]);
+    spans[b] = lens[b] - firsts[b];
   }
-  const int64_t items = batch * s.kv_heads;
-  const int64_t parts = context_parts(items, longest, s.block_size);
-  // With parts, each item's output and stats go to scratch and are merged below; without, straight to out.
-  std::vector<float> part_out(parts > 1 ? items * parts * group * s.value_dim : 0);
-  std::vector<float> stats(items * parts * group * 2);
-  // Work item `work`'s sequence, KV head, block table and token span.
+  // Sequence b's work items are [item_start[b], item_start[b + 1]): its KV heads in turn, each in parts[b]
+  // parts. A split item's output and stats go to scratch and are merged below; the others', straight to out.
+  const std::vector<int64_t> parts = context_parts(spans, s.kv_heads, s.block_size);
+  std::vector<int64_t> item_start{0};
+  for (int64_t b = 0; b < batch; ++b) item_start.push_back(item_start.back() + s.kv_heads * parts[b]);
+  const int64_t items = item_start.back();
+  const bool any_split = items > batch * s.kv_heads;
+  std::vector<float> part_out(any_split ? items * group * s.value_dim : 0);
+  std::vector<float> stats(items * group * 2);
+  // Work item `work`'s sequence, KV head, block table, token span and output.
   auto locate = [&](int64_t work) {
-    const int64_t item = work / parts, part = work % parts;
-    const int64_t b = item / s.kv_heads, kv_head = item % s.kv_heads;
+    const int64_t b = any_split ? std::upper_bound(item_start.begin(), item_start.end(), work) - item_start.begin() - 1
+                                : work / s.kv_heads;
+    const int64_t kv_head = (work - item_start[b]) / parts[b], part = (work - item_start[b]) % parts[b];
     Indices table = table_all;
     if (table.i32) table.i32 += b * s.table_stride;
     else table.i64 += b * s.table_stride;
-    const auto [first, last] = part_span(firsts[b], lens[b], part, parts, s.block_size);
-    return std::tuple{b, kv_head, table, first, last};
+    const auto [first, last] = part_span(firsts[b], lens[b], part, parts[b], s.block_size);
+    float* o = parts[b] > 1 ? part_out.data() + work * group * s.value_dim
+                            : out + (b * s.heads + kv_head * group) * s.value_dim;
+    return std::tuple{b, kv_head, table, first, last, o};
   };
   // Each thread attends a contiguous run of work items holding about the same number of tokens as the
   // others' (`balanced_runs`): equal numbers of items would leave the thread with the shorter contexts
   // waiting for the other at the end.
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items * parts);
-  const std::vector<int64_t> runs = balanced_runs(items * parts, threads, [&](int64_t work) {
-    const auto [b, kv_head, table, first, last] = locate(work);
-    return last - first;
-  });
+  std::vector<int64_t> cost{0};  // the items' running costs: tokens read, plus kItemCostTokens each
+  cost.reserve(items + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t item = 0; item < s.kv_heads * parts[b]; ++item) {
+      const auto [first, last] = part_span(firsts[b], lens[b], item % parts[b], parts[b], s.block_size);
+      cost.push_back(cost.back() + last - first + kItemCostTokens);
+    }
+  }
+  const std::vector<int64_t> runs = balanced_runs(cost, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t threads = static_cast<int64_t>(runs.size()) - 1;
   at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
     const int64_t begin = runs[first_run], end = runs[end_run];
     std::vector<float> q(group * s.head_dim), scores(group * s.block_size), row_max(group), row_sum(group);
     for (int64_t work = begin; work < end; ++work) {
-      const auto [b, kv_head, table, first, last] = locate(work);
+      const auto [b, kv_head, table, first, last, o] = locate(work);
       if (work + 1 < end) {  // the next item's first blocks arrive while this one is computed
-        const auto [next_b, next_head, next_table, next_first, next_last] = locate(work + 1);
+        const auto [next_b, next_head, next_table, next_first, next_last, next_o] = locate(work + 1);
         for (int64_t ahead = 0; ahead < kPrefetchBlocks; ++ahead)
           prefetch_block(s, k, v, next_table, next_first / s.block_size + ahead, next_last, next_head,
                          s.head_dim * sizeof(T), s.value_dim * sizeof(T));
@@ -542,8 +571,6 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
       if (newest && last == lens[b]) store_newest(*newest, b, kv_head);
       const float* qb = query + (b * s.heads + kv_head * group) * s.head_dim;
       for (int64_t i = 0; i < group * s.head_dim; ++i) q[i] = qb[i] * s.scale;
-      float* o = parts > 1 ? part_out.data() + work * group * s.value_dim
-                           : out + (b * s.heads + kv_head * group) * s.value_dim;
       float* st = stats.data() + work * group * 2;
       if (tiled) {
         tiled(s, k, v, table, first, last, kv_head, q.data(), o, st);
@@ -553,11 +580,12 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
       }
     }
   });
-  if (parts == 1) return;
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t b = item / s.kv_heads, kv_head = item % s.kv_heads;
-    merge_parts(part_out.data() + item * parts * group * s.value_dim, stats.data() + item * parts * group * 2,
-                parts, group, s.value_dim, out + (b * s.heads + kv_head * group) * s.value_dim);
+  for (int64_t b = 0; b < batch && any_split; ++b) {
+    for (int64_t kv_head = 0; kv_head < s.kv_heads && parts[b] > 1; ++kv_head) {
+      const int64_t work = item_start[b] + kv_head * parts[b];
+      merge_parts(part_out.data() + work * group * s.value_dim, stats.data() + work * group * 2, parts[b], group,
+                  s.value_dim, out + (b * s.heads + kv_head * group) * s.value_dim);
+    }
   }
 }
 
