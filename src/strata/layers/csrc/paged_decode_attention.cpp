@@ -12,7 +12,7 @@
 // are computed together, so each key and value row serves all of them from L1. When there are too few items
 // to keep every thread busy (a batch of one), each sequence's context is also split into parts of at least
 // 256 tokens, attended separately and merged by their softmax sums, as flash-decoding does; so is a context
-// much longer than the others' (`context_parts`).
+// much longer than the others' (`plan_work`).
 //
 // C++ (`#pragma omp simd` loops and GCC/Clang vector types; only the widening loads of `float_tiles.h` use
 // x86 intrinsics where the CPU has them) vectorised by the compiler for this CPU (-O3 -march=native); it is
@@ -412,37 +412,6 @@ AttendFn<T> tiled_path(const Shape& s) {
 // tokens: shorter parts cost more to merge than they save.
 constexpr int64_t kMinPartTokens = 256;
 
-// Where a batch has many items, the most tokens an item may read, as a fraction of one thread's share of all
-// items' tokens: the threads' runs (`balanced_runs`) are cut between whole items, so one long context among
-// short ones (its KV heads' items together over half the tokens) left one thread reading long after the other.
-constexpr int64_t kItemsPerThreadShare = 8;
-
-// How many parts each sequence's context (spans[b] tokens from its first attended position) is split into.
-// With fewer (sequence, KV head) items than twice the threads (a batch of one, whose few KV heads leave
-// threads idle or unevenly loaded: 3 heads on 2 threads), every context into enough parts for two items per
-// thread, so each thread reads whole stretches of the cache. Otherwise only the contexts longer than an
-// eighth of a thread's share (`kItemsPerThreadShare`), into parts of at most that.
-std::vector<int64_t> context_parts(const std::vector<int64_t>& spans, int64_t kv_heads, int64_t block_size) {
-  const int64_t threads = at::get_num_threads(), batch = static_cast<int64_t>(spans.size());
-  std::vector<int64_t> parts(batch, 1);
-  if (threads <= 1 || batch == 0) return parts;
-  const int64_t shortest_part = std::max(kMinPartTokens, block_size);
-  const auto at_most = [&](int64_t span, int64_t wanted) {
-    return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, span / shortest_part));
-  };
-  const int64_t items = batch * kv_heads;
-  if (items < 2 * threads) {
-    const int64_t longest = *std::max_element(spans.begin(), spans.end());
-    std::fill(parts.begin(), parts.end(), at_most(longest, (2 * threads + items - 1) / items));
-    return parts;
-  }
-  int64_t tokens = 0;
-  for (const int64_t span : spans) tokens += span * kv_heads;
-  const int64_t longest_item = std::max(shortest_part, tokens / threads / kItemsPerThreadShare);
-  for (int64_t b = 0; b < batch; ++b) parts[b] = at_most(spans[b], (spans[b] + longest_item - 1) / longest_item);
-  return parts;
-}
-
 // Part `part` of `parts` of the token span [first, len), cut at block boundaries.
 std::pair<int64_t, int64_t> part_span(int64_t first, int64_t len, int64_t part, int64_t parts, int64_t bs) {
   if (parts == 1) return {first, len};
@@ -502,6 +471,70 @@ std::vector<int64_t> balanced_runs(const std::vector<int64_t>& cost, int64_t thr
   return runs;
 }
 
+// How a step's attention is cut into work items and spread over the threads: sequence b's context in
+// parts[b] parts, its items [item_start[b], item_start[b + 1]) (its KV heads in turn, each in its parts), the
+// items' running costs (`balanced_runs`) and thread t's run of items [runs[t], runs[t + 1]).
+struct WorkPlan {
+  std::vector<int64_t> parts, item_start, cost, runs;
+
+  WorkPlan(std::vector<int64_t> context_parts, const std::vector<int64_t>& firsts, const std::vector<int64_t>& lens,
+           int64_t kv_heads, int64_t block_size, int64_t threads)
+      : parts(std::move(context_parts)), item_start{0}, cost{0} {
+    for (size_t b = 0; b < parts.size(); ++b) {
+      item_start.push_back(item_start.back() + kv_heads * parts[b]);
+      for (int64_t item = 0; item < kv_heads * parts[b]; ++item) {
+        const auto [first, last] = part_span(firsts[b], lens[b], item % parts[b], parts[b], block_size);
+        cost.push_back(cost.back() + last - first + kItemCostTokens);
+      }
+    }
+    runs = balanced_runs(cost, std::min(threads, items()));
+  }
+
+  int64_t items() const { return item_start.back(); }
+  int64_t threads() const { return static_cast<int64_t>(runs.size()) - 1; }
+  // How far the costliest run is over an even share, in percent.
+  int64_t excess_percent() const {
+    int64_t costliest = 0;
+    for (int64_t t = 0; t < threads(); ++t) costliest = std::max(costliest, cost[runs[t + 1]] - cost[runs[t]]);
+    return threads() == 0 ? 0 : costliest * 100 * threads() / std::max<int64_t>(1, cost.back()) - 100;
+  }
+};
+
+// Where the threads' runs of whole items come out more than this many percent over an even share (one long
+// context among short ones: its KV heads' items can hold more than half the tokens), long contexts are split.
+constexpr int64_t kRunExcessPercent = 5;
+// Those contexts are cut into parts of at most a share of the tokens this many times smaller than a thread's.
+constexpr int64_t kPartsPerThreadShare = 8;
+
+// The plan for contexts [firsts[b], lens[b]). With fewer (sequence, KV head) items than twice the threads (a
+// batch of one, whose few KV heads leave threads idle or unevenly loaded: 3 heads on 2 threads), every
+// context in enough parts for two items per thread, so each thread reads whole stretches of the cache. With
+// more, whole contexts while the runs come out even (`kRunExcessPercent`); else the contexts longer than an
+// eighth of a thread's share of the tokens are cut into parts of at most that. Parts hold at least
+// kMinPartTokens (and a block).
+WorkPlan plan_work(const std::vector<int64_t>& firsts, const std::vector<int64_t>& lens, int64_t kv_heads,
+                   int64_t block_size) {
+  const int64_t threads = at::get_num_threads(), batch = static_cast<int64_t>(lens.size());
+  const int64_t shortest_part = std::max(kMinPartTokens, block_size);
+  std::vector<int64_t> spans(batch), parts(batch, 1);
+  for (int64_t b = 0; b < batch; ++b) spans[b] = lens[b] - firsts[b];
+  const auto at_most = [&](int64_t span, int64_t wanted) {
+    return std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, span / shortest_part));
+  };
+  const int64_t items = batch * kv_heads;
+  if (threads > 1 && items > 0 && items < 2 * threads) {
+    const int64_t longest = *std::max_element(spans.begin(), spans.end());
+    std::fill(parts.begin(), parts.end(), at_most(longest, (2 * threads + items - 1) / items));
+  }
+  WorkPlan whole(parts, firsts, lens, kv_heads, block_size, threads);
+  if (threads <= 1 || items < 2 * threads || whole.excess_percent() <= kRunExcessPercent) return whole;
+  int64_t tokens = 0;
+  for (const int64_t span : spans) tokens += span * kv_heads;
+  const int64_t longest_item = std::max(shortest_part, tokens / threads / kPartsPerThreadShare);
+  for (int64_t b = 0; b < batch; ++b) parts[b] = at_most(spans[b], (spans[b] + longest_item - 1) / longest_item);
+  return WorkPlan(parts, firsts, lens, kv_heads, block_size, threads);
+}
+
 // A step's keys and values to store (`StepRows`, with the cache writes below); store_newest stores row b's
 // KV head `kv_head`.
 struct StepRows;
@@ -517,17 +550,17 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
   const int64_t group = s.heads / s.kv_heads, batch = static_cast<int64_t>(lens.size());
   const Indices table_all(tables);
   const AttendFn<T> tiled = tiled_path<T>(s);
-  std::vector<int64_t> firsts(batch), spans(batch);
+  std::vector<int64_t> firsts(batch);
   for (int64_t b = 0; b < batch; ++b) {
     firsts[b] = s.sliding_window > 0 ? std::max<int64_t>(0, lens[b] - s.sliding_window) : 0;
-    spans[b] = lens[b] - firsts[b];
   }
-  // Sequence b's work items are [item_start[b], item_start[b + 1]): its KV heads in turn, each in parts[b]
-  // parts. A split item's output and stats go to scratch and are merged below; the others', straight to out.
-  const std::vector<int64_t> parts = context_parts(spans, s.kv_heads, s.block_size);
-  std::vector<int64_t> item_start{0};
-  for (int64_t b = 0; b < batch; ++b) item_start.push_back(item_start.back() + s.kv_heads * parts[b]);
-  const int64_t items = item_start.back();
+  // Each thread attends a contiguous run of work items holding about the same number of tokens as the
+  // others' (`plan_work`). A split item's output and stats go to scratch and are merged below; the others',
+  // straight to out.
+  const WorkPlan plan = plan_work(firsts, lens, s.kv_heads, s.block_size);
+  const std::vector<int64_t>& parts = plan.parts;
+  const std::vector<int64_t>& item_start = plan.item_start;
+  const int64_t items = plan.items();
   const bool any_split = items > batch * s.kv_heads;
   std::vector<float> part_out(any_split ? items * group * s.value_dim : 0);
   std::vector<float> stats(items * group * 2);
@@ -544,20 +577,8 @@ void decode_attention(const Shape& s, const float* query, const T* k, const T* v
                             : out + (b * s.heads + kv_head * group) * s.value_dim;
     return std::tuple{b, kv_head, table, first, last, o};
   };
-  // Each thread attends a contiguous run of work items holding about the same number of tokens as the
-  // others' (`balanced_runs`): equal numbers of items would leave the thread with the shorter contexts
-  // waiting for the other at the end.
-  std::vector<int64_t> cost{0};  // the items' running costs: tokens read, plus kItemCostTokens each
-  cost.reserve(items + 1);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t item = 0; item < s.kv_heads * parts[b]; ++item) {
-      const auto [first, last] = part_span(firsts[b], lens[b], item % parts[b], parts[b], s.block_size);
-      cost.push_back(cost.back() + last - first + kItemCostTokens);
-    }
-  }
-  const std::vector<int64_t> runs = balanced_runs(cost, std::min<int64_t>(at::get_num_threads(), items));
-  const int64_t threads = static_cast<int64_t>(runs.size()) - 1;
-  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
+  const std::vector<int64_t>& runs = plan.runs;
+  at::parallel_for(0, plan.threads(), 1, [&](int64_t first_run, int64_t end_run) {
     const int64_t begin = runs[first_run], end = runs[end_run];
     std::vector<float> q(group * s.head_dim), scores(group * s.block_size), row_max(group), row_sum(group);
     for (int64_t work = begin; work < end; ++work) {
