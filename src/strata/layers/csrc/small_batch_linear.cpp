@@ -420,7 +420,9 @@ std::optional<at::Tensor> prepack_glu_weight(const at::Tensor& weight, std::stri
 }
 
 // x [M, K] float32 times float32 weights packed in panels (`weights[i]` packed as `packed[i]`, its bias
-// `biases[i]` or none), their outputs side by side: [M, sum of N].
+// `biases[i]` or none), their outputs side by side: [M, sum of N]. With a GATE, each weight is a GLU MLP's
+// [gate; up] packed in pairs (`prepack_glu_weight`, no bias) and gives its N / 2 values act(gate) * up.
+template <GateActivation GATE = GateActivation::kNone>
 at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::vector<at::Tensor>& packed,
                         const std::vector<std::optional<at::Tensor>>& biases) {
   const at::Tensor xc = x.contiguous();
@@ -430,13 +432,14 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
   for (size_t i = 0; i < weights.size(); ++i) {
     const float* bias = nullptr;
     if (biases[i]) bias = held.emplace_back(as_float_contiguous(*biases[i])).data_ptr<float>();
-    parts.push_back({packed[i].data_ptr<float>(), bias, weights[i].size(0), columns});
-    columns += weights[i].size(0);
+    const int64_t N = weights[i].size(0);
+    parts.push_back({packed[i].data_ptr<float>(), bias, N, columns});
+    columns += GATE == GateActivation::kNone ? N : N / 2;
   }
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, columns}, x.options());
-  strata_kernels::panel_gemm(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
-                             thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
+  strata_kernels::panel_gemm<GATE>(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
+                                   thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
   return out;
 }
 
@@ -554,18 +557,9 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& weight, std::string
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   if (kFloatPanels && x.scalar_type() == at::kFloat && M > 0 && reads_panels(M, N * K * 4)) {
     if (const at::Tensor panels = find_packed(weight, true); panels.defined()) {
-      const at::Tensor xc = x.contiguous();
-      at::Tensor out = at::empty({M, N / 2}, x.options());
-      const std::vector<strata_kernels::PanelWeight> parts{{panels.data_ptr<float>(), nullptr, N, 0}};
-      const int64_t grain = thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M);
-      if (gate == GateActivation::kSilu) {
-        strata_kernels::panel_gemm<GateActivation::kSilu>(xc.data_ptr<float>(), M, K, parts,
-                                                          out.data_ptr<float>(), N / 2, grain);
-      } else {
-        strata_kernels::panel_gemm<GateActivation::kGeluTanh>(xc.data_ptr<float>(), M, K, parts,
-                                                              out.data_ptr<float>(), N / 2, grain);
-      }
-      return out;
+      return gate == GateActivation::kSilu
+                 ? panel_linear<GateActivation::kSilu>(x, {weight}, {panels}, {std::nullopt})
+                 : panel_linear<GateActivation::kGeluTanh>(x, {weight}, {panels}, {std::nullopt});
     }
   }
   const at::Tensor both = linear(x, weight, std::nullopt, std::nullopt);
