@@ -63,6 +63,19 @@ def _paged_inputs(
     return query, k_cache, v_cache, block_tables, seq_lens
 
 
+def _shuffled_cache(
+    seq_lens: list[int], num_kv_heads: int, head_dim: int, spare_blocks: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random float32 k and v caches [num_blocks, BLOCK_SIZE, Hkv, D] and int32 block tables [B, max_blocks]
+    for contexts of `seq_lens` tokens, each table shuffled blocks, `spare_blocks` blocks in no table."""
+    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
+    num_blocks = len(seq_lens) * max_blocks + spare_blocks
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    return k_cache, v_cache, tables.view(len(seq_lens), max_blocks).to(torch.int32)
+
+
 def _check_against_reference(
     num_heads: int,
     num_kv_heads: int,
@@ -136,12 +149,7 @@ def test_long_contexts_of_few_sequences_are_split_over_threads_and_merged(
     (cut at block boundaries, the sliding window's start inside one) whose results are merged by their
     softmax sums: the same as the reference and as one thread, which attends each context whole."""
     generator = torch.Generator().manual_seed(len(seq_lens) + num_threads)
-    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
-    num_blocks = len(seq_lens) * max_blocks + 5
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
-    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    k_cache, v_cache, tables = _shuffled_cache(seq_lens, num_kv_heads, head_dim, 5, generator)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator) * 3  # peaked softmaxes
     args = (query, k_cache, v_cache, tables, lens, head_dim**-0.5, softcap, sliding_window)
@@ -167,12 +175,7 @@ def test_threads_split_the_items_by_their_tokens_and_every_item_is_attended_once
     the runs have different numbers of items, and a context far longer than the others' is attended in
     parts: every item is still attended exactly once, as the reference and one thread attend it."""
     generator = torch.Generator().manual_seed(num_threads)
-    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
-    num_blocks = len(seq_lens) * max_blocks + 2
-    shape = (num_blocks, BLOCK_SIZE, 2, 32)
-    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
-    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    k_cache, v_cache, tables = _shuffled_cache(seq_lens, 2, 32, 2, generator)
     query = torch.randn(len(seq_lens), 6, 32, generator=generator) * 3
     args = (query, k_cache, v_cache, tables, torch.tensor(seq_lens), 32**-0.5, 0.0, 0)
     threads(num_threads)
@@ -453,11 +456,8 @@ def test_decode_write_and_attend_stores_every_row_before_it_is_read(
     float16 cache, GQA heads and a sliding window."""
     generator = torch.Generator().manual_seed(len(seq_lens))
     heads, kv_heads, dim, window = 9, 3, 64, 600
-    max_blocks = -(-max(seq_lens) // BLOCK_SIZE)
-    num_blocks = len(seq_lens) * max_blocks + 3
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, generator=generator).to(cache_dtype)
-    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
-    tables = tables.view(len(seq_lens), max_blocks).to(torch.int32)
+    k_cache, v_cache, tables = _shuffled_cache(seq_lens, kv_heads, dim, 3, generator)
+    kv_cache = torch.stack([k_cache, v_cache]).to(cache_dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     positions = [length - 1 for length in seq_lens]
     owners = list(range(len(seq_lens)))
