@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from strata.engine.sequence import Request
+from strata.engine.sequence import Sequence as EngineSequence
 from strata.sample import Sampler, SamplingMetadata, SamplingRow
 from strata.sample import sampler as sampler_module
 from strata.sample.sampler import _apply_penalties
@@ -505,6 +507,10 @@ def test_plain_greedy_rows_are_those_the_argmax_alone_samples(
     assert (
         metadata.all_greedy and all(stage is None for stage in stages) and metadata.num_logprobs == [None]
     ) is plain
+    # So does the count a sequence computes once for the engine's per-step check.
+    seq = EngineSequence(Request("r", None, [5, 6], params, 0.0), 0, None, None)
+    seq.token_ids.extend([7] * num_output_tokens)
+    assert (len(seq.token_ids) >= seq.argmax_only_from) is plain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -103,6 +103,8 @@ class BlockManager:
             return
         first = num_computed_before // self.block_size
         last = seq.num_computed_tokens // self.block_size
+        if first == last:  # most decode steps: no block filled up
+            return
         parent = self.blocks[seq.block_table[first - 1]].hash if first > 0 else None
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]

@@ -28,7 +28,6 @@ from strata.sample import (
     SamplingRow,
     TokenLogprobs,
     compute_prompt_logprobs,
-    plain_greedy,
 )
 from strata.sampling_params import SamplingParams
 from strata.worker.model_runner import ModelOutput, ModelRunner
@@ -232,7 +231,7 @@ class LLMEngine:
         if not sampling:
             return [], []
         logits = model_output.sampled_logits()
-        if all(plain_greedy(item.seq.params, item.seq.num_output_tokens) for item in sampling):
+        if all(len(item.seq.token_ids) >= item.seq.argmax_only_from for item in sampling):
             return self.sampler.greedy(logits), [None] * len(sampling)
         rows = [
             SamplingRow(

@@ -7,12 +7,14 @@ hold them. A request with `n > 1` fans out into `n` sequences that share the pro
 from __future__ import annotations
 
 import itertools
+import sys
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
 import torch
 
 from strata.outputs import PromptLogprobs, SampleLogprobs
+from strata.sample.sampler import plain_greedy
 
 if TYPE_CHECKING:
     from strata.engine.detokenizer import IncrementalDetokenizer
@@ -71,6 +73,14 @@ class Sequence:
         self.logprobs: SampleLogprobs | None = [] if request.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
+        # From this many tokens on, the next token is the argmax of its logits and nothing more
+        # (`plain_greedy`: that holds past `min_tokens` or never); decided once, as the check is per step.
+        params = request.params
+        self.argmax_only_from = (
+            self.num_prompt_tokens + params.min_tokens
+            if plain_greedy(params, params.min_tokens)
+            else sys.maxsize
+        )
 
     @property
     def params(self) -> SamplingParams:
