@@ -8,8 +8,7 @@ serve every layer and every batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,16 +89,25 @@ def get_forward_context() -> ForwardContext:
     return _forward_context
 
 
-@contextmanager
-def set_forward_context(
-    attn_metadata: AttentionMetadata | None,
-    kv_caches: dict[str, torch.Tensor],
-    write_and_attend: WriteAndAttend | None = None,
-) -> Iterator[ForwardContext]:
-    global _forward_context
-    previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata, kv_caches, write_and_attend)
-    try:
-        yield _forward_context
-    finally:
-        _forward_context = previous
+class set_forward_context:  # named as a function: it is used as one, `with set_forward_context(...):`
+    """Makes a step's metadata, caches and `write_and_attend` the current forward context, and restores the
+    one before on exit. A class rather than a generator context manager: it is entered once per step right
+    after the weights have streamed through the caches, where contextlib's machinery costs microseconds."""
+
+    def __init__(
+        self,
+        attn_metadata: AttentionMetadata | None,
+        kv_caches: dict[str, torch.Tensor],
+        write_and_attend: WriteAndAttend | None = None,
+    ) -> None:
+        self.context = ForwardContext(attn_metadata, kv_caches, write_and_attend)
+
+    def __enter__(self) -> ForwardContext:
+        global _forward_context
+        self.previous = _forward_context
+        _forward_context = self.context
+        return self.context
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _forward_context
+        _forward_context = self.previous

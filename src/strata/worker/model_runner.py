@@ -7,10 +7,8 @@ which sequence and where their keys and values live in the cache.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -197,13 +195,19 @@ class ModelRunner:
         for item in scheduled:
             seq, start, end = item.seq, item.start, item.start + item.num_tokens
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + item.num_tokens)
+            if end - start == 1:  # a decode row: no slices, ranges or generators
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // size] * size + start % size)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            query_start_loc.append(end - start + query_start_loc[-1])
             seq_lens.append(end)
             block_rows.extend(table)
-            block_rows.extend([0] * (max_blocks - len(table)))
+            if len(table) < max_blocks:
+                block_rows.extend([0] * (max_blocks - len(table)))
         staging = self._staging
         metadata = AttentionMetadata(
             slot_mapping=self._on_device(staging.slots.fill(slots)),
@@ -223,20 +227,6 @@ class ModelRunner:
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         """A staged host tensor as the model's device sees it: itself on the CPU, else a copy there."""
         return host if self.device.type == "cpu" else host.to(self.device)
-
-    @contextlib.contextmanager
-    def _step_threads(self) -> Iterator[None]:
-        """Run a step with the tuner's thread count and give the process back the count it had: torch's count
-        is one per process, shared with other engines and the caller's own work (2 us a switch)."""
-        outer = torch.get_num_threads()
-        wanted = self.thread_tuner.threads if self.thread_tuner is not None else outer
-        if wanted != outer:
-            torch.set_num_threads(wanted)
-        try:
-            yield
-        finally:
-            if wanted != outer:
-                torch.set_num_threads(outer)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> ModelOutput:
@@ -259,13 +249,23 @@ class ModelRunner:
             rows = [0]
         keep = self._on_device(self._staging.keep.fill(rows))
         write_and_attend = bind_write_and_attend(metadata, self.kv_caches)
-        with set_forward_context(metadata, self.kv_caches, write_and_attend), self._step_threads():
-            if self.compiled is not None:
-                logits = self.compiled(input_ids, positions, keep)
-            else:
-                logits = self.model(
-                    input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
-                ).logits[0]
+        # torch's thread count is one per process, shared with other engines and the caller's own work: the
+        # tuner's count for this step, then the process's back (2 us a switch, and only when they differ).
+        outer = torch.get_num_threads()
+        wanted = self.thread_tuner.threads if self.thread_tuner is not None else outer
+        if wanted != outer:
+            torch.set_num_threads(wanted)
+        try:
+            with set_forward_context(metadata, self.kv_caches, write_and_attend):
+                if self.compiled is not None:
+                    logits = self.compiled(input_ids, positions, keep)
+                else:
+                    logits = self.model(
+                        input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
+                    ).logits[0]
+        finally:
+            if wanted != outer:
+                torch.set_num_threads(outer)
         if self.thread_tuner is not None:
             self.thread_tuner.observe((len(scheduled), input_ids.shape[1]), time.perf_counter() - start)
         return ModelOutput(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)

@@ -22,11 +22,19 @@ to `window` slower steps every `period` (under 0.5%); a neighbour is still met w
 from __future__ import annotations
 
 import logging
-import statistics
+from collections import deque
 
 logger = logging.getLogger("strata.worker")
 
 StepShape = tuple[int, int]  # (sequences, tokens) of one step
+
+
+def _median(values: deque[float]) -> float:
+    """`statistics.median`, without its generality: called every step, right after the weights have
+    streamed through the caches, where each line of code it runs is a cache miss."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 class ThreadTuner:
@@ -55,7 +63,8 @@ class ThreadTuner:
         self.early = early
         self.early_loss = early_loss
         self._shape: StepShape | None = None
-        self._times: list[float] = []  # the current run of identical steps at `self.threads`
+        # The current run of identical steps at `self.threads`: its last `window` times, all that is read.
+        self._times: deque[float] = deque(maxlen=window)
         self._since_probe = period - window  # the first probe follows the first full window
         self._baseline: float | None = None  # median seconds at `_return_to` while probing
         self._fastest: float | None = None  # fastest window median at this count and step shape
@@ -68,7 +77,8 @@ class ThreadTuner:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape != self._shape:
-            self._shape, self._times, self._fastest = shape, [], None
+            self._shape, self._fastest = shape, None
+            self._times.clear()
             if self.probing:  # other work: the probe's times would not compare
                 self._switch(self._return_to)
                 self._baseline = None
@@ -76,12 +86,12 @@ class ThreadTuner:
         self._since_probe += 1
         if self.probing and len(self._times) == self.early < self.window:
             assert self._baseline is not None
-            if statistics.median(self._times) > self._baseline * (1 + self.early_loss):
+            if _median(self._times) > self._baseline * (1 + self.early_loss):
                 self._end_probe(keep=False)  # clearly slower already
             return
         if len(self._times) < self.window:
             return
-        recent = statistics.median(self._times[-self.window :])
+        recent = _median(self._times)
         if self.probing:
             assert self._baseline is not None
             if recent > self._baseline * (1 - self.margin):
@@ -97,13 +107,14 @@ class ThreadTuner:
         if (self._since_probe >= self.period or slowed) and self.max_threads > 1:
             self._baseline, self._return_to = recent, self.threads
             self._switch(self._candidate())
-            self._times = []
+            self._times.clear()
 
     def _end_probe(self, keep: bool) -> None:
         """Close the probe: keep the count it tried or go back to the one before, and start a new period."""
         if not keep:
             self._switch(self._return_to)
-        self._baseline, self._times, self._since_probe = None, [], 0
+        self._baseline, self._since_probe = None, 0
+        self._times.clear()
 
     def _candidate(self) -> int:
         """The count to probe: one fewer from the configured count, one more from a single thread, and in
