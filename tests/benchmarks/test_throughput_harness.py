@@ -54,6 +54,11 @@ def test_tiny_run_reports_rows_ratios_and_table(
     for key in ("memory_read_gb_s", "matmul_fp32_gflop_s", "matmul_bf16_gflop_s"):
         assert roofline[key] > 0
     assert roofline["threads"] == torch.get_num_threads()
+    # Measured before the first model and after the last; each limit is the better of the two.
+    measurements = report["machine"]["roofline_measurements"]
+    assert len(measurements) == 2
+    for key in ("memory_read_gb_s", "matmul_fp32_gflop_s", "matmul_fp32_best_gflop_s", "matmul_bf16_gflop_s"):
+        assert roofline[key] == max(measured[key] for measured in measurements)
 
     weights = report["models"]["tiny"]
     assert weights["matmul_params"] == _tiny_matmul_params(harness.MODEL_SHAPES["tiny"])
@@ -193,6 +198,30 @@ def test_prefill_len_must_fit_the_models(capsys: pytest.CaptureFixture[str]) -> 
         min(s["max_position_embeddings"] for s in harness.MODEL_SHAPES.values())
         >= harness.DEFAULT_PREFILL_LEN + 1
     )
+
+
+def test_best_roofline_takes_each_rate_at_its_best_and_keeps_the_rest() -> None:
+    harness = load_benchmark("throughput")
+    first = {
+        "threads": 2,
+        "memory_read_gb_s": 30.0,
+        "matmul_fp32_gflop_s": 138.0,
+        "matmul_fp32_onednn_gflop_s": None,
+    }
+    second = {
+        "threads": 2,
+        "memory_read_gb_s": 25.0,
+        "matmul_fp32_gflop_s": 190.0,
+        "matmul_fp32_onednn_gflop_s": 207.0,
+    }
+    assert harness.best_roofline([first, second]) == {
+        "threads": 2,
+        "memory_read_gb_s": 30.0,
+        "matmul_fp32_gflop_s": 190.0,
+        "matmul_fp32_onednn_gflop_s": 207.0,
+    }
+    assert harness.best_roofline([second, first])["matmul_fp32_onednn_gflop_s"] == 207.0
+    assert first["matmul_fp32_gflop_s"] == 138.0  # the measurements themselves are left as measured
 
 
 def test_roofline_measures_bandwidth_and_matmul_rates() -> None:
