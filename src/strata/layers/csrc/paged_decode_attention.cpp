@@ -185,9 +185,16 @@ inline std::pair<const char*, const char*> block_rows(const Shape& s, const T* k
           reinterpret_cast<const char*>(v + id * s.v_strides[0] + kv_head * s.v_strides[2])};
 }
 
-// Prefetches into L2 the keys and values of the KV head in block `index` of a sequence's `table` (`block_rows`).
+// Prefetches into L2 the `key_bytes` of one token's key row at `key` and the `value_bytes` of its value row.
 // Always inlined: where the caller's head dims are compile-time constants the line loops unroll (a loop left
 // rolled made the tiled kernel slower than prefetching one block only).
+__attribute__((always_inline)) inline void prefetch_rows(const char* key, const char* value, int64_t key_bytes,
+                                                         int64_t value_bytes) {
+  for (int64_t c = 0; c < key_bytes; c += 64) __builtin_prefetch(key + c, 0, 2);
+  for (int64_t c = 0; c < value_bytes; c += 64) __builtin_prefetch(value + c, 0, 2);
+}
+
+// Prefetches into L2 the keys and values of the KV head in block `index` of a sequence's `table` (`block_rows`).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_block(const Shape& s, const T* k, const T* v, Indices table,
                                                           int64_t index, int64_t len, int64_t kv_head,
@@ -196,8 +203,7 @@ __attribute__((always_inline)) inline void prefetch_block(const Shape& s, const 
   if (!kb) return;
   const int64_t tokens = std::min(s.block_size, len - index * s.block_size);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t c = 0; c < key_bytes; c += 64) __builtin_prefetch(kb + t * s.k_strides[1] * sizeof(T) + c, 0, 2);
-    for (int64_t c = 0; c < value_bytes; c += 64) __builtin_prefetch(vb + t * s.v_strides[1] * sizeof(T) + c, 0, 2);
+    prefetch_rows(kb + t * s.k_strides[1] * sizeof(T), vb + t * s.v_strides[1] * sizeof(T), key_bytes, value_bytes);
   }
 }
 
@@ -315,10 +321,9 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
       for (int64_t t = 0; t < n; ++t) {
         const T* key = kb + (c0 + t) * ks;
         for (int a = 0; a < kStreamBlocks; ++a) {
-          if (!ahead_keys[a]) continue;
-          for (int64_t c = 0; c < kKeyBytes; c += 64) __builtin_prefetch(ahead_keys[a] + (c0 + t) * key_row + c, 0, 2);
-          for (int64_t c = 0; c < kValueBytes; c += 64) {
-            __builtin_prefetch(ahead_values[a] + (c0 + t) * value_row + c, 0, 2);
+          if (ahead_keys[a]) {
+            prefetch_rows(ahead_keys[a] + (c0 + t) * key_row, ahead_values[a] + (c0 + t) * value_row, kKeyBytes,
+                          kValueBytes);
           }
         }
         Tile kt[DT];
