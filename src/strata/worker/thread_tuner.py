@@ -11,11 +11,14 @@ get slower by more than `slowdown` than the fastest they ran at this count (a ne
 the median time of the last `window` such steps as the baseline, runs the next `window` identical steps with
 one thread fewer (or, below the configured count, one more), and keeps whichever count was faster by more
 than the noise margin. A probe that meets a different step shape is abandoned, and so is one whose first
-`early` steps already run more than `early_loss` slower than the baseline: the count it tries is clearly
-worse, and finishing the window would only add slow steps. That matters where a step's work is compute-bound
+step alone runs more than `first_loss` slower than the baseline, or whose first `early` steps run more than
+`early_loss` slower: the count it tries is clearly worse, and finishing the window would only add slow
+steps. That matters where a step's work is compute-bound
 (32 requests of SmolLM-135M on 2 cores: a one-thread step takes about twice as long), and where the machine's
 own noise or steps slowing as contexts grow set off the `slowdown` trigger: there a whole window of probe
-steps cost about 9% of a run, the first 3 of them a sixth of that. On a quiet machine a probe costs `early`
+steps cost about 9% of a run, the first 3 of them a sixth of that, and the first alone a third of that
+again (a one-thread step of 32 requests takes 1.8-1.9x as long; a single slow step from noise at most ends
+a probe early, which keeps the count that ran). On a quiet machine a probe costs `early`
 to `window` slower steps every `period` (under 0.5%); a neighbour is still met within a window.
 """
 
@@ -51,6 +54,7 @@ class ThreadTuner:
         slowdown: float = 0.25,
         early: int = 3,
         early_loss: float = 0.25,
+        first_loss: float = 0.5,
     ) -> None:
         if max_threads < 1 or window < 1 or period <= 2 * window or early < 1:
             raise ValueError("need max_threads >= 1, window >= 1, early >= 1 and period > 2 * window")
@@ -62,6 +66,7 @@ class ThreadTuner:
         self.slowdown = slowdown
         self.early = early
         self.early_loss = early_loss
+        self.first_loss = first_loss
         self._shape: StepShape | None = None
         # The current run of identical steps at `self.threads`: its last `window` times, all that is read.
         self._times: deque[float] = deque(maxlen=window)
@@ -84,9 +89,12 @@ class ThreadTuner:
                 self._baseline = None
         self._times.append(seconds)
         self._since_probe += 1
-        if self.probing and len(self._times) == self.early < self.window:
+        if self.probing and len(self._times) < self.window:
             assert self._baseline is not None
-            if _median(self._times) > self._baseline * (1 + self.early_loss):
+            steps = len(self._times)
+            if (steps == 1 and seconds > self._baseline * (1 + self.first_loss)) or (
+                steps == self.early and _median(self._times) > self._baseline * (1 + self.early_loss)
+            ):
                 self._end_probe(keep=False)  # clearly slower already
             return
         if len(self._times) < self.window:
