@@ -119,21 +119,21 @@ struct Blocking {
 // and into which cache level (`__builtin_prefetch` locality: 3 for L1, 2 for L2); 0 bytes: not at all
 // (prefetching past a matrix's end is harmless: prefetches never fault).
 // Where the hardware prefetchers keep up with the stream, a software prefetch only takes the miss buffers
-// the demand loads need, and one into L1 holds them longest. Measured with decode steps alternated in one
-// compiled engine (SmolLM-135M shape, 2 threads), the kernel's settings switched per step:
-// - AVX-512 (Zen 4 EPYC): float32 and bf16 weights against 1 or 2 rows of x read fastest with none
-//   (float32 1.03-1.04x against 512 bytes into L1, 1.02-1.03x against 8 KiB into L2; bf16 1.21x against 8
-//   KiB into L1, 1.04x against L2). Everything else wants 8 KiB into L2: against 8 KiB into L1, int8 1.43x
-//   faster at one row (level at 4) and float32 1.35x at 6 rows; against none, at 4 rows, float32 1.09x and
-//   bf16 1.35x.
+// the demand loads need, and one into L1 holds them longest.
+// - AVX-512: 8 KiB ahead into L2 for every weight type and row count. On an Intel Xeon (family 6 model
+//   207: 2 MB L2 a core, 13 GB/s from memory on one core), SmolLM-135M's 30 layers and head from memory
+//   alone, processes alternated, 2 threads, against none: bf16 1.39-1.91x at one row (15.6 to 24.9 GB/s)
+//   and 1.20-1.51x at two, float32 0.88-1.40x at one row (faster in 6 of 7 pairs) and 1.12-1.37x at two.
+//   On Zen 4 EPYC (decode steps alternated in one compiled engine) none was 1.02-1.04x faster at 1-2 rows
+//   of float32 and bf16, which this setting gives up for Intel's gain; elsewhere it was the best there:
+//   against 8 KiB into L1, 1.43x for int8 at one row and 1.35x for float32 at 6 rows; against none at 4
+//   rows, float32 1.09x and bf16 1.35x. On Zen 5, whole runs without a prefetch once had bf16 and int8
+//   weights 15-30% short of the bandwidth.
 // - AVX2 (Zen 3 EPYC; levels not compared there): 512 bytes into L1 for 1-2 rows of float32 (5-7% faster
 //   than 8 KiB, 2% than none at one row); 8 KiB into L1 elsewhere (kernel alone: 7% faster at 4 rows of
 //   float32 and 13% at 8, 5-7% for bf16).
-// On Zen 5, whole runs once had bf16 and int8 weights 15-30% short of the bandwidth without a prefetch (into
-// L1); not measured there step by step, nor into L2.
 template <int MB, typename W>
-constexpr int kPrefetchBytes = kWideRegisters ? (MB <= 2 && !std::is_same_v<W, int8_t> ? 0 : 8192)
-                                              : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
+constexpr int kPrefetchBytes = kWideRegisters ? 8192 : (MB <= 2 && std::is_same_v<W, float> ? 512 : 8192);
 constexpr int kPrefetchLocality = kWideRegisters ? 2 : 3;
 
 // Tiles of the dot products of RB weight rows (`K` apart) with MB rows of x (`K` apart), as lanes to be
