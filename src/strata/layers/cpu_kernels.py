@@ -40,7 +40,7 @@ def cpu_description() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
-def _compile_command(compiler: str, source: Path, target: str) -> list[str]:
+def compile_command(compiler: str, source: Path, target: str) -> list[str]:
     cpu = envs.cpu_kernel_target()
     march = f"-march={cpu}" if platform.machine() in ("x86_64", "AMD64", "i686") else f"-mcpu={cpu}"
     includes = [f"-I{path}" for path in torch.utils.cpp_extension.include_paths()]
@@ -55,7 +55,7 @@ def _compile_command(compiler: str, source: Path, target: str) -> list[str]:
 
 def _build(name: str, compiler: str) -> Path:
     source = Path(str(resources.files("strata.layers") / "csrc" / f"{name}.cpp"))
-    command = _compile_command(compiler, source, "TARGET")
+    command = compile_command(compiler, source, "TARGET")
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
         "\n".join([source.read_text(), *headers, *command, torch.__version__, cpu_description()]).encode()

@@ -1,0 +1,281 @@
+"""Two builds of Strata's linear kernels, A and B, loaded into one process and their passes alternated.
+
+On a shared machine whole processes cannot tell a few percent apart: the 30 layers' GEMMs of SmolLM-135M
+at 32 rows swung 31-40 ms from run to run (Intel Xeon model 207, 2 threads), so an A/B of processes
+measures the neighbours. Here both builds of `small_batch_linear.cpp` (sources from a git revision or the
+working tree) are compiled with Strata's flags, each with its op namespace and C++ namespace renamed so
+that both load side by side, and each packs its own panels of the same weights, layer by layer in turn.
+A pass runs one model's linear layers once (per decoder layer its q/k/v group, o, gate-up GLU and down,
+then the LM head) at the given rows; passes alternate between the builds, the order within a pair
+rotating, so both meet the same neighbours. A control (the same sources twice) read 0.978-1.024 there
+(20-100 passes), where whole processes had spread over 1.3x.
+
+    python benchmarks/kernel_ab.py --base HEAD --rows 1,32,128          # HEAD against the working tree
+    python benchmarks/kernel_ab.py --base HEAD --candidate HEAD          # control
+    python benchmarks/kernel_ab.py --layers 2 --no-head --passes 200    # weights in cache, not memory
+
+Before timing, both builds' outputs are compared on every layer (they must agree to float32 rounding).
+The report has per rows and build the median pass, its GFLOP/s and weight GB/s, and the ratio of A's
+median to B's (> 1: B is faster) with the share of pairs B won.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from throughput import MODEL_SHAPES, REPO_ROOT
+
+from strata.layers import cpu_kernels
+
+SOURCE_DIR = "src/strata/layers/csrc"
+KERNEL = "small_batch_linear.cpp"
+VARIANTS = ("A", "B")
+SEED = 0
+
+
+class BuildError(Exception):
+    """A variant's sources could not be exported or compiled; the message says which and why."""
+
+
+def export_sources(revision: str | None, into: Path) -> None:
+    """The kernel sources (`*.cpp`, `*.h`) of a git revision, or of the working tree when None, into `into`."""
+    into.mkdir(parents=True)
+    if revision is None:
+        for path in (REPO_ROOT / SOURCE_DIR).iterdir():
+            if path.suffix in (".cpp", ".h"):
+                (into / path.name).write_text(path.read_text())
+        return
+    archive = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "archive", revision, SOURCE_DIR], capture_output=True
+    )
+    if archive.returncode != 0:
+        raise BuildError(f"no kernel sources at revision {revision!r}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into), f"--strip-components={SOURCE_DIR.count('/') + 1}"],
+                   input=archive.stdout, check=True)  # fmt: skip
+
+
+def build_variants(revisions: dict[str, str | None], workdir: Path) -> dict[str, Any]:
+    """Each variant's kernel (`revisions[variant]`: a git revision, or None for the working tree) built at
+    once (a build takes a minute or more), its op and C++ namespaces made unique to it, and loaded: the op
+    namespaces by variant."""
+    namespaces = {variant: f"strata_ab_{variant.lower()}_{uuid.uuid4().hex[:12]}" for variant in revisions}
+    for variant, revision in revisions.items():  # every export before any build starts
+        sources = workdir / namespaces[variant]
+        export_sources(revision, sources)
+        for path in sources.iterdir():
+            text = re.sub(r"\bstrata_cpu\b", namespaces[variant], path.read_text())
+            path.write_text(re.sub(r"\bstrata_kernels\b", f"{namespaces[variant]}_kernels", text))
+    compiler = os.environ.get("CXX") or "c++"
+    builds = {}
+    for variant, namespace in namespaces.items():
+        library = workdir / f"{namespace}.so"
+        command = cpu_kernels.compile_command(compiler, workdir / namespace / KERNEL, str(library))
+        builds[variant] = (library, subprocess.Popen(command, stderr=subprocess.PIPE, text=True))
+    errors = {variant: process.communicate()[1] for variant, (_, process) in builds.items()}
+    for variant, (library, process) in builds.items():
+        if process.returncode != 0:
+            raise BuildError(f"building variant {variant} ({revisions[variant] or 'working tree'}) failed:\n"
+                             f"{errors[variant][-3000:]}")  # fmt: skip
+        torch.ops.load_library(str(library))
+    return {variant: getattr(torch.ops, namespace) for variant, namespace in namespaces.items()}
+
+
+def layer_weights(
+    shape: dict[str, Any], generator: torch.Generator, head: bool = True
+) -> list[tuple[str, list[torch.Tensor]]]:
+    """A Llama shape's linear weights in a forward's order: per layer ("group", [q, k, v]), ("linear", [o]),
+    ("glu", [gate; up]) and ("linear", [down]), then, with `head`, ("linear", [head])."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    q_out, kv_out = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+
+    def weight(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, generator=generator) / k**0.5
+
+    layers: list[tuple[str, list[torch.Tensor]]] = []
+    for _ in range(shape["num_hidden_layers"]):
+        layers.append(("group", [weight(q_out, hidden), weight(kv_out, hidden), weight(kv_out, hidden)]))
+        layers.append(("linear", [weight(hidden, q_out)]))
+        layers.append(("glu", [weight(2 * inter, hidden)]))
+        layers.append(("linear", [weight(hidden, inter)]))
+    if head:
+        layers.append(("linear", [weight(shape["vocab_size"], hidden)]))
+    return layers
+
+
+def prepack(ops: Any, layers: list[tuple[str, list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """`ops`' packed copies of every weight (held here: the kernels keep only weak references)."""
+    held = []
+    for kind, weights in layers:
+        for w in weights:
+            packed = ops.prepack_glu_weight(w, "silu") if kind == "glu" else ops.prepack_linear_weight(w)
+            if packed is not None:
+                held.append(packed)
+    return held
+
+
+def run_layer(ops: Any, kind: str, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    if kind == "group":
+        return ops.linear_group(x, weights)
+    if kind == "glu":
+        return ops.linear_glu(x, weights[0], "silu")
+    return ops.linear(x, weights[0], None, None)
+
+
+def model_pass(
+    ops: Any, layers: list[tuple[str, list[torch.Tensor]]], inputs: dict[int, torch.Tensor]
+) -> None:
+    for kind, weights in layers:
+        run_layer(ops, kind, weights, inputs[weights[0].shape[1]])
+
+
+def disagreement(
+    builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]], rows: int
+) -> str | None:
+    """Where the builds' outputs differ beyond float32 rounding on some layer at `rows` rows, or None."""
+    generator = torch.Generator().manual_seed(SEED + rows)
+    for kind, weights in layers:
+        x = torch.randn(rows, weights[0].shape[1], generator=generator)
+        a, b = (run_layer(builds[v], kind, weights, x) for v in VARIANTS)
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+            shapes = [tuple(w.shape) for w in weights]
+            return (
+                f"a {kind} layer of {shapes} at {rows} rows: max difference {(a - b).abs().max().item():.3g}"
+            )
+    return None
+
+
+def timed(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]], rows: int, passes: int,
+            warmup: int) -> dict[str, Any]:  # fmt: skip
+    generator = torch.Generator().manual_seed(SEED)
+    features = {w.shape[1] for _, weights in layers for w in weights}
+    inputs = {k: torch.randn(rows, k, generator=generator) for k in features}
+    runs = {v: (lambda ops=builds[v]: model_pass(ops, layers, inputs)) for v in VARIANTS}
+    for _ in range(warmup):
+        for v in VARIANTS:
+            runs[v]()
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for i in range(passes):
+        for v in VARIANTS[i % 2 :] + VARIANTS[: i % 2]:
+            times[v].append(timed(runs[v]))
+    params = sum(w.numel() for _, weights in layers for w in weights)
+    medians = {v: statistics.median(times[v]) for v in VARIANTS}
+    won = sum(b < a for a, b in zip(times["A"], times["B"], strict=True))
+    return {
+        "rows": rows,
+        "median_ms": {v: medians[v] * 1e3 for v in VARIANTS},
+        "gflops": {v: 2 * params * rows / medians[v] / 1e9 for v in VARIANTS},
+        "weight_gbps": {v: 4 * params / medians[v] / 1e9 for v in VARIANTS},
+        "pass_ms": {v: [t * 1e3 for t in times[v]] for v in VARIANTS},
+        "ratio_a_over_b": medians["A"] / medians["B"],
+        "b_won": won / passes,
+    }
+
+
+def print_table(results: Sequence[dict[str, Any]]) -> None:
+    header = ["rows", "A ms", "B ms", "B GFLOP/s", "B GB/s", "A/B", "B won"]
+    rows = [
+        [str(r["rows"]), f"{r['median_ms']['A']:.2f}", f"{r['median_ms']['B']:.2f}", f"{r['gflops']['B']:.1f}",
+         f"{r['weight_gbps']['B']:.1f}", f"{r['ratio_a_over_b']:.3f}", f"{r['b_won']:.0%}"]
+        for r in results
+    ]  # fmt: skip
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    for line in [header, ["-" * w for w in widths], *rows]:
+        print(" | ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base", default="HEAD", help="git revision of build A (default HEAD)")
+    parser.add_argument(
+        "--candidate", default=None, help="git revision of build B (default: the working tree)"
+    )
+    parser.add_argument("--model", default="smollm-135m", choices=sorted(MODEL_SHAPES))
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="decoder layers (default: the model's); few enough, the weights stay in cache",
+    )
+    parser.add_argument(
+        "--head", action=argparse.BooleanOptionalAction, default=True, help="include the LM head"
+    )
+    parser.add_argument("--rows", default="32", help="comma-separated rows of x (tokens in a step)")
+    parser.add_argument("--passes", type=int, default=60, help="timed passes of each build per rows")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if (
+        any(r < 1 for r in rows)
+        or args.passes < 1
+        or args.warmup < 0
+        or (args.layers is not None and args.layers < 1)
+        or (args.threads is not None and args.threads < 1)
+    ):
+        parser.error("--rows, --passes, --layers and --threads must be at least 1, --warmup at least 0")
+    shape = dict(MODEL_SHAPES[args.model])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="strata-kernel-ab-") as workdir:
+        try:
+            builds = build_variants({"A": args.base, "B": args.candidate}, Path(workdir))
+        except BuildError as exc:
+            print(f"kernel_ab: {exc}", file=sys.stderr)
+            return 1
+        layers = layer_weights(shape, torch.Generator().manual_seed(SEED), args.head)
+        # Interleaved, so that neither build's panels all lie in memory allocated later.
+        held = [prepack(builds[v], [layer]) for layer in layers for v in VARIANTS]
+        for r in rows:
+            if where := disagreement(builds, layers, r):
+                print(f"kernel_ab: the builds disagree on {where}", file=sys.stderr)
+                return 1
+        results = [measure(builds, layers, r, args.passes, args.warmup) for r in rows]
+        del held
+    report = {
+        "model": args.model,
+        "layers": shape["num_hidden_layers"],
+        "head": args.head,
+        "base": args.base,
+        "candidate": args.candidate or "working tree",
+        "threads": torch.get_num_threads(),
+        "passes": args.passes,
+        "op_namespaces": {v: ops.name for v, ops in builds.items()},
+        "results": results,
+    }
+    print(json.dumps(report, indent=2))
+    print_table(results)
+    if args.json_out:
+        args.json_out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

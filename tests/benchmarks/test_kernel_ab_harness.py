@@ -1,0 +1,128 @@
+"""The kernel A/B harness: two renamed builds of the linear kernels in one process, their passes
+alternated; the report's ratios from its own pass times; both builds computing the real linear; refusals.
+
+CI never runs the real benchmark; this keeps the script itself from rotting. Its two builds take about a
+minute and a half on 2 cores, so one run serves the checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmark_scripts import load_benchmark
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _in_git_checkout() -> bool:
+    if shutil.which("git") is None or shutil.which("c++") is None:
+        return False
+    probe = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_checkout = pytest.mark.skipif(not _in_git_checkout(), reason="needs a git checkout and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def control_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """HEAD against the working tree on the tiny model: its JSON report and the table printed after it."""
+    harness = load_benchmark("kernel_ab")
+    json_out = tmp_path_factory.mktemp("kernel_ab") / "report.json"
+    argv = ["--base", "HEAD", "--model", "tiny", "--rows", "1,9", "--passes", "4", "--warmup", "1"]
+    argv += ["--json-out", str(json_out)]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert harness.main(argv) == 0
+    report, end = json.JSONDecoder().raw_decode(stdout.getvalue())
+    assert json.loads(json_out.read_text()) == report
+    return report, stdout.getvalue()[end:]
+
+
+@needs_checkout
+def test_report_ratios_come_from_the_alternated_passes(control_run: tuple[dict[str, Any], str]) -> None:
+    report, table = control_run
+    assert report["candidate"] == "working tree" and report["base"] == "HEAD"
+    assert [r["rows"] for r in report["results"]] == [1, 9]
+    shape = load_benchmark("throughput").MODEL_SHAPES["tiny"]
+    hidden, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    # q, k, v (kv heads of the same head dim), o, gate-up, down per layer, and the head.
+    kv = shape["num_key_value_heads"] * hidden // shape["num_attention_heads"]
+    per_layer = hidden * (hidden + 2 * kv) + hidden * hidden + 2 * inter * hidden + hidden * inter
+    params = shape["num_hidden_layers"] * per_layer + vocab * hidden
+    for result in report["results"]:
+        a, b = result["pass_ms"]["A"], result["pass_ms"]["B"]
+        assert len(a) == len(b) == 4 and all(t > 0 for t in a + b)
+        assert result["median_ms"] == pytest.approx({"A": statistics.median(a), "B": statistics.median(b)})
+        assert result["ratio_a_over_b"] == pytest.approx(statistics.median(a) / statistics.median(b))
+        assert result["b_won"] == sum(tb < ta for ta, tb in zip(a, b, strict=True)) / 4
+        rows = result["rows"]
+        assert result["gflops"]["B"] == pytest.approx(2 * params * rows / statistics.median(b) / 1e6)
+        assert result["weight_gbps"]["B"] == pytest.approx(4 * params / statistics.median(b) / 1e6)
+    lines = table.strip().splitlines()
+    assert lines[0].split("|")[0].strip() == "rows"
+    assert [line.split("|")[0].strip() for line in lines[2:]] == ["1", "9"]
+
+
+@needs_checkout
+@pytest.mark.parametrize("variant", ["A", "B"])
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_each_build_computes_the_linear_layers(
+    control_run: tuple[dict[str, Any], str], variant: str, rows: int
+) -> None:
+    """Each renamed build loaded side by side is the real kernel: its linear, group and GLU against torch."""
+    report, _ = control_run
+    ops = getattr(torch.ops, report["op_namespaces"][variant])
+    assert ops.name != "strata_cpu"
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator)
+    weights = [torch.randn(n, 64, generator=generator) / 8 for n in (48, 16, 16)]
+    gate_up = torch.randn(256, 64, generator=generator) / 8
+    packed = [ops.prepack_linear_weight(w) for w in weights], ops.prepack_glu_weight(gate_up, "silu")
+    bias = torch.randn(48, generator=generator)
+    expected_group = torch.cat([x @ w.T for w in weights], dim=1)
+    close = {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(ops.linear(x, weights[0], None, bias), x @ weights[0].T + bias, **close)
+    torch.testing.assert_close(ops.linear_group(x, weights), expected_group, **close)
+    gate, up = (x @ gate_up.T).chunk(2, dim=1)
+    glu = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(ops.linear_glu(x, gate_up, "silu"), glu, **close)
+    del packed
+
+
+def test_unknown_revision_is_refused_before_any_build(capsys: pytest.CaptureFixture[str]) -> None:
+    harness = load_benchmark("kernel_ab")
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    assert harness.main(["--base", "no-such-revision", "--model", "tiny", "--passes", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "no kernel sources at revision 'no-such-revision'" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rows", "1,x"],
+        ["--rows", "0"],
+        ["--passes", "0"],
+        ["--layers", "0"],
+        ["--threads", "0"],
+        ["--model", "nope"],
+    ],
+)
+def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    harness = load_benchmark("kernel_ab")
+    with pytest.raises(SystemExit) as exit_info:
+        harness.main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
