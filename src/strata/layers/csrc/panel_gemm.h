@@ -5,9 +5,8 @@
 // side by side ([K][kPanelColumns], the last panel only as wide as its columns rounded up to a tile). The
 // micro-kernel keeps the sums of kPanelRows rows of x by the panel's columns in registers (8 x 3 tiles, 24 of
 // the 32 AVX-512 registers) and, per k, loads the panel's 3 tiles once and multiplies them by each row's
-// x[m, k]: 24 FMAs for 3 vector loads and 8 scalar broadcasts, and no horizontal sums. Each thread owns a
-// range of panels: it reads its share of the weight from memory once per chunk of rows, and the other row
-// blocks of the chunk find the panel in L2.
+// x[m, k]: 24 FMAs for 3 vector loads and 8 scalar broadcasts, and no horizontal sums. A thread reads a
+// panel from memory once per chunk of rows, and the other row blocks of the chunk find it in L2.
 // Against oneDNN on its own prepacked layout (SmolLM-135M's 30 layers and head, weights read from memory,
 // 2 threads, Zen 4 EPYC, whose FMAs allow 117 GFLOP/s a thread): 1.4-1.5x at 9 rows, 1.2-1.3x at 32
 // (193-204 against 155-160 GFLOP/s), 1.1-1.2x at 64-128, 0.94-1.03x at 512-1024. With the weights in L3 it
@@ -27,6 +26,7 @@
 #include "huge_pages.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -262,9 +262,13 @@ struct PanelWeight {
 constexpr int64_t kPrefetchingBlocks = 3;
 constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
 
-// out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, its panels
-// split over ATen's threads, at least `grain` panels a thread: one parallel region for all of them (a
-// layer's q, k and v projections in one call). With a GATE, each weight was packed in gate and up pairs
+// out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight: one parallel
+// region for all of them (a layer's q, k and v projections in one call), on as many of ATen's threads as
+// give each at least `grain` panels. The threads claim the panels one at a time rather than splitting them
+// in equal ranges, so that one slowed by a neighbour takes fewer. With equal ranges the two threads' shares
+// of SmolLM-135M's layers at 32 rows took 47.2 and 58.3 ms in one pass (Intel Xeon model 207, timed inside
+// the kernel), and the faster one waited. Claimed, against equal ranges (`benchmarks/kernel_ab.py`, both in
+// one process, alternated): 1.04-1.10x at 32 rows, 1.06x at 128, 1.05x at 512, 1.01x at 9, 1.00x at 1. With a GATE, each weight was packed in gate and up pairs
 // (`pack_panels`, K at most kMaxDepth, no bias), and its N / 2 outputs are act(gate) * up.
 template <GateActivation GATE = GateActivation::kNone>
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
@@ -280,46 +284,59 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
     const int64_t n0 = (g - first_panel[i]) * kPanelColumns;
     return std::tuple{i, n0, std::min(kPanelColumns, weights[i].N - n0)};
   };
-  at::parallel_for(0, first_panel.back(), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
-      const int64_t m1 = std::min(M, m0 + chunk_rows);
-      const int64_t blocks = (m1 - m0 + kPanelRows - 1) / kPanelRows;
-      for (int64_t g = begin; g < end; ++g) {
-        const auto [i, n0, columns] = locate(g);
-        const PanelWeight& w = weights[i];
-        const int64_t width = panel_width(columns);
-        const float* bias = w.bias ? w.bias + n0 : nullptr;
-        float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
-        for (int64_t k0 = 0; k0 < K; k0 += depth) {
-          const int64_t part = std::min(depth, K - k0);
-          const float* panel = w.panels + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
-          // What this thread reads after this part of the panel (a tile is one cache line a k).
-          const float* next = nullptr;
-          int64_t next_lines = 0;
-          if (blocks >= kMinPrefetchBlocks) {
-            if (k0 + depth < K) {
-              next = panel + part * width;
-              next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
-            } else if (g + 1 < end || m1 < M) {
-              const auto [j, next_n0, next_columns] = locate(g + 1 < end ? g + 1 : begin);
-              next = weights[j].panels + next_n0 * K;
-              next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
-            }
-          }
-          const int64_t share = (next_lines + kPrefetchingBlocks - 1) / kPrefetchingBlocks;  // lines a block
-          for (int64_t r = m0; r < m1; r += kPanelRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
-            const float* xr = x + r * K + k0;
-            float* orow = o + r * ldo;
-            const int64_t block = (r - m0) / kPanelRows;
-            if (next && block > 0 && block <= kPrefetchingBlocks) {
-              const Prefetch prefetch{reinterpret_cast<const char*>(next) + (block - 1) * share * 64, share};
-              panel_block_any<true, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
-            } else {
-              panel_block_any<false, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
-            }
-          }
+  // Work items are (chunk of rows, panel) pairs, chunk by chunk. Threads claim them in turn from a shared
+  // counter, each one item ahead (the item after the one it computes, whose panel it prefetches).
+  const int64_t panels = first_panel.back();
+  const int64_t items = (M + chunk_rows - 1) / chunk_rows * panels;
+  std::atomic<int64_t> unclaimed{0};
+  const auto compute_item = [&](int64_t item, int64_t following) {
+    const int64_t m0 = item / panels * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
+    const int64_t blocks = (m1 - m0 + kPanelRows - 1) / kPanelRows;
+    const auto [i, n0, columns] = locate(item % panels);
+    const PanelWeight& w = weights[i];
+    const int64_t width = panel_width(columns);
+    const float* bias = w.bias ? w.bias + n0 : nullptr;
+    float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
+    for (int64_t k0 = 0; k0 < K; k0 += depth) {
+      const int64_t part = std::min(depth, K - k0);
+      const float* panel = w.panels + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
+      // What this thread reads after this part of the panel (a tile is one cache line a k).
+      const float* next = nullptr;
+      int64_t next_lines = 0;
+      if (blocks >= kMinPrefetchBlocks) {
+        if (k0 + depth < K) {
+          next = panel + part * width;
+          next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
+        } else if (following < items) {
+          const auto [j, next_n0, next_columns] = locate(following % panels);
+          next = weights[j].panels + next_n0 * K;
+          next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
         }
+      }
+      const int64_t share = (next_lines + kPrefetchingBlocks - 1) / kPrefetchingBlocks;  // lines a block
+      for (int64_t r = m0; r < m1; r += kPanelRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
+        const float* xr = x + r * K + k0;
+        float* orow = o + r * ldo;
+        const int64_t block = (r - m0) / kPanelRows;
+        if (next && block > 0 && block <= kPrefetchingBlocks) {
+          const Prefetch prefetch{reinterpret_cast<const char*>(next) + (block - 1) * share * 64, share};
+          panel_block_any<true, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
+        } else {
+          panel_block_any<false, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
+        }
+      }
+    }
+  };
+  // One worker a thread, as many threads as ATen's rule gives `grain` panels each; a worker that ATen runs
+  // inline after another finds nothing left.
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (panels + grain - 1) / grain);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t item = unclaimed.fetch_add(1); item < items;) {
+        const int64_t following = unclaimed.fetch_add(1);
+        compute_item(item, following);
+        item = following;
       }
     }
   });
