@@ -268,8 +268,11 @@ constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
 // in equal ranges, so that one slowed by a neighbour takes fewer. With equal ranges the two threads' shares
 // of SmolLM-135M's layers at 32 rows took 47.2 and 58.3 ms in one pass (Intel Xeon model 207, timed inside
 // the kernel), and the faster one waited. Claimed, against equal ranges (`benchmarks/kernel_ab.py`, both in
-// one process, alternated): 1.04-1.10x at 32 rows, 1.06x at 128, 1.05x at 512, 1.01x at 9, 1.00x at 1. With a GATE, each weight was packed in gate and up pairs
-// (`pack_panels`, K at most kMaxDepth, no bias), and its N / 2 outputs are act(gate) * up.
+// one process, alternated; its controls read 0.978-1.024): 0.966-1.102x in six runs at 32 rows (four above
+// the controls' range, one below), 0.973-1.099x in four at 128, 1.047x at 512, 1.00-1.01x at 1 and 9 rows
+// and with the weights in cache. About 3% on average where one core is slowed, even where none is. With a
+// GATE, each weight was packed in gate and up pairs (`pack_panels`, K at most kMaxDepth, no bias), and its
+// N / 2 outputs are act(gate) * up.
 template <GateActivation GATE = GateActivation::kNone>
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
                        int64_t ldo, int64_t grain) {
