@@ -22,7 +22,6 @@ median to B's (> 1: B is faster) with the share of pairs B won.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -35,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import throughput
 import torch
 from throughput import MODEL_SHAPES, REPO_ROOT
 
@@ -191,16 +191,14 @@ def measure(builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]]
     }
 
 
-def print_table(results: Sequence[dict[str, Any]]) -> None:
+def format_table(results: Sequence[dict[str, Any]]) -> str:
     header = ["rows", "A ms", "B ms", "B GFLOP/s", "B GB/s", "A/B", "B won"]
-    rows = [
+    lines = [
         [str(r["rows"]), f"{r['median_ms']['A']:.2f}", f"{r['median_ms']['B']:.2f}", f"{r['gflops']['B']:.1f}",
          f"{r['weight_gbps']['B']:.1f}", f"{r['ratio_a_over_b']:.3f}", f"{r['b_won']:.0%}"]
         for r in results
     ]  # fmt: skip
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    for line in [header, ["-" * w for w in widths], *rows]:
-        print(" | ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    return "\n".join(throughput._render(header, lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,24 +219,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--head", action=argparse.BooleanOptionalAction, default=True, help="include the LM head"
     )
-    parser.add_argument("--rows", default="32", help="comma-separated rows of x (tokens in a step)")
+    parser.add_argument(
+        "--rows",
+        type=throughput._int_list,
+        default=[32],
+        help="comma-separated rows of x (tokens in a step; default: 32)",
+    )
     parser.add_argument("--passes", type=int, default=60, help="timed passes of each build per rows")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
-    if (
-        any(r < 1 for r in rows)
-        or args.passes < 1
-        or args.warmup < 0
-        or (args.layers is not None and args.layers < 1)
-        or (args.threads is not None and args.threads < 1)
-    ):
-        parser.error("--rows, --passes, --layers and --threads must be at least 1, --warmup at least 0")
+    throughput.require_at_least_one(parser, args, ("passes", "layers", "threads"))
+    if args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
     shape = dict(MODEL_SHAPES[args.model])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
@@ -253,11 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers = layer_weights(shape, torch.Generator().manual_seed(SEED), args.head)
         # Interleaved, so that neither build's panels all lie in memory allocated later.
         held = [prepack(builds[v], [layer]) for layer in layers for v in VARIANTS]
-        for r in rows:
+        for r in args.rows:
             if where := disagreement(builds, layers, r):
                 print(f"kernel_ab: the builds disagree on {where}", file=sys.stderr)
                 return 1
-        results = [measure(builds, layers, r, args.passes, args.warmup) for r in rows]
+        results = [measure(builds, layers, r, args.passes, args.warmup) for r in args.rows]
         del held
     report = {
         "model": args.model,
@@ -270,10 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "op_namespaces": {v: ops.name for v, ops in builds.items()},
         "results": results,
     }
-    print(json.dumps(report, indent=2))
-    print_table(results)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2))
+    throughput.print_report(report, format_table(results), args.json_out)
     return 0
 
 
