@@ -331,16 +331,13 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
       }
     }
   };
-  // One worker a thread, as many threads as ATen's rule gives `grain` panels each; a worker that ATen runs
-  // inline after another finds nothing left.
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (panels + grain - 1) / grain);
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t item = unclaimed.fetch_add(1); item < items;) {
-        const int64_t following = unclaimed.fetch_add(1);
-        compute_item(item, following);
-        item = following;
-      }
+  // ATen picks the threads for `grain` panels each; each call claims items until none are left, whatever
+  // range ATen hands it (a call after another, on the same thread, finds none).
+  at::parallel_for(0, panels, grain, [&](int64_t, int64_t) {
+    for (int64_t item = unclaimed.fetch_add(1); item < items;) {
+      const int64_t following = unclaimed.fetch_add(1);
+      compute_item(item, following);
+      item = following;
     }
   });
 }
