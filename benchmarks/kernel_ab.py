@@ -1,4 +1,4 @@
-"""Two builds of Strata's linear kernels, A and B, loaded into one process and their passes alternated.
+"""Two builds of one of Strata's CPU kernels, A and B, loaded into one process and their passes alternated.
 
 On a shared machine whole processes cannot tell a few percent apart: the 30 layers' GEMMs of SmolLM-135M
 at 32 rows swung 31-40 ms from run to run (Intel Xeon model 207, 2 threads), so an A/B of processes
@@ -14,9 +14,16 @@ rotating, so both meet the same neighbours. A control (the same sources twice) r
     python benchmarks/kernel_ab.py --base HEAD --candidate HEAD          # control
     python benchmarks/kernel_ab.py --layers 2 --no-head --passes 200    # weights in cache, not memory
 
+`--kernel attention` does the same for `paged_decode_attention.cpp`. A pass runs every layer's decode
+attention once, each layer over a paged cache of its own laid out as the engine allocates it ([2, blocks,
+16, KV heads, head dim]; sequence b's j-th block is block b + j * rows, as a batch decoding together fills
+them), for `--rows` sequences of `--context` tokens each, the cache in `--kv-dtype`.
+
+    python benchmarks/kernel_ab.py --kernel attention --rows 1,32 --context 96 --kv-dtype float16
+
 Before timing, both builds' outputs are compared on every layer (they must agree to float32 rounding).
-The report has per rows and build the median pass, its GFLOP/s and weight GB/s, and the ratio of A's
-median to B's (> 1: B is faster) with the share of pairs B won.
+The report has per rows and build the median pass, its GFLOP/s and weight GB/s (attention: the GB/s of
+keys and values read), and the ratio of A's median to B's (> 1: B is faster) with the share of pairs B won.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import throughput
 import torch
@@ -41,7 +48,11 @@ from throughput import MODEL_SHAPES, REPO_ROOT
 from strata.layers import cpu_kernels
 
 SOURCE_DIR = "src/strata/layers/csrc"
-KERNEL = "small_batch_linear.cpp"
+LINEAR_SOURCE = "small_batch_linear.cpp"
+KERNEL_SOURCES = {"linear": LINEAR_SOURCE, "attention": "paged_decode_attention.cpp"}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The engine's default KV block size (`CacheConfig.block_size`).
+BLOCK_SIZE = 16
 VARIANTS = ("A", "B")
 SEED = 0
 
@@ -67,8 +78,10 @@ def export_sources(revision: str | None, into: Path) -> None:
                    input=archive.stdout, check=True)  # fmt: skip
 
 
-def build_variants(revisions: dict[str, str | None], workdir: Path) -> dict[str, Any]:
-    """Each variant's kernel (`revisions[variant]`: a git revision, or None for the working tree) built at
+def build_variants(
+    revisions: dict[str, str | None], workdir: Path, kernel: str = LINEAR_SOURCE
+) -> dict[str, Any]:
+    """Each variant's `kernel` source (`revisions[variant]`: a git revision, or None for the working tree) built at
     once (a build takes a minute or more), its op and C++ namespaces made unique to it, and loaded: the op
     namespaces by variant."""
     namespaces = {variant: f"strata_ab_{variant.lower()}_{uuid.uuid4().hex[:12]}" for variant in revisions}
@@ -82,7 +95,7 @@ def build_variants(revisions: dict[str, str | None], workdir: Path) -> dict[str,
     builds = {}
     for variant, namespace in namespaces.items():
         library = workdir / f"{namespace}.so"
-        command = cpu_kernels.compile_command(compiler, workdir / namespace / KERNEL, str(library))
+        command = cpu_kernels.compile_command(compiler, workdir / namespace / kernel, str(library))
         builds[variant] = (library, subprocess.Popen(command, stderr=subprocess.PIPE, text=True))
     errors = {variant: process.communicate()[1] for variant, (_, process) in builds.items()}
     for variant, (library, process) in builds.items():
@@ -164,12 +177,9 @@ def timed(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]], rows: int, passes: int,
-            warmup: int) -> dict[str, Any]:  # fmt: skip
-    generator = torch.Generator().manual_seed(SEED)
-    features = {w.shape[1] for _, weights in layers for w in weights}
-    inputs = {k: torch.randn(rows, k, generator=generator) for k in features}
-    runs = {v: (lambda ops=builds[v]: model_pass(ops, layers, inputs)) for v in VARIANTS}
+def alternate(runs: dict[str, Callable[[], None]], passes: int, warmup: int) -> dict[str, Any]:
+    """Each variant's pass times, the variants alternated and their order rotating pair by pair; with the
+    median pass of each, A's median over B's and the share of pairs B won."""
     for _ in range(warmup):
         for v in VARIANTS:
             runs[v]()
@@ -177,28 +187,146 @@ def measure(builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]]
     for i in range(passes):
         for v in VARIANTS[i % 2 :] + VARIANTS[: i % 2]:
             times[v].append(timed(runs[v]))
-    params = sum(w.numel() for _, weights in layers for w in weights)
     medians = {v: statistics.median(times[v]) for v in VARIANTS}
     won = sum(b < a for a, b in zip(times["A"], times["B"], strict=True))
     return {
-        "rows": rows,
         "median_ms": {v: medians[v] * 1e3 for v in VARIANTS},
-        "gflops": {v: 2 * params * rows / medians[v] / 1e9 for v in VARIANTS},
-        "weight_gbps": {v: 4 * params / medians[v] / 1e9 for v in VARIANTS},
         "pass_ms": {v: [t * 1e3 for t in times[v]] for v in VARIANTS},
         "ratio_a_over_b": medians["A"] / medians["B"],
         "b_won": won / passes,
     }
 
 
+def measure(builds: dict[str, Any], layers: list[tuple[str, list[torch.Tensor]]], rows: int, passes: int,
+            warmup: int) -> dict[str, Any]:  # fmt: skip
+    """The linear layers' passes at `rows` rows, alternated, with each build's GFLOP/s and weight GB/s."""
+    generator = torch.Generator().manual_seed(SEED)
+    features = {w.shape[1] for _, weights in layers for w in weights}
+    inputs = {k: torch.randn(rows, k, generator=generator) for k in features}
+    runs = {v: (lambda ops=builds[v]: model_pass(ops, layers, inputs)) for v in VARIANTS}
+    result = alternate(runs, passes, warmup)
+    params = sum(w.numel() for _, weights in layers for w in weights)
+    seconds = {v: result["median_ms"][v] / 1e3 for v in VARIANTS}
+    return {
+        "rows": rows,
+        **result,
+        "gflops": {v: 2 * params * rows / seconds[v] / 1e9 for v in VARIANTS},
+        "weight_gbps": {v: 4 * params / seconds[v] / 1e9 for v in VARIANTS},
+    }
+
+
+class AttentionStep(NamedTuple):
+    """One decode step's attention inputs for every layer: `rows` sequences of `context` tokens."""
+
+    query: torch.Tensor  # [rows, heads, head_dim]
+    caches: list[torch.Tensor]  # per layer [2, blocks, BLOCK_SIZE, kv_heads, head_dim]
+    tables: torch.Tensor  # [rows, blocks a sequence], int32
+    lens: torch.Tensor  # [rows], int32
+    scale: float
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values one pass reads."""
+        _, _, _, kv_heads, head_dim = self.caches[0].shape
+        tokens = int(self.lens.sum())
+        return 2 * tokens * kv_heads * head_dim * self.caches[0].element_size() * len(self.caches)
+
+
+def attention_step(shape: dict[str, Any], rows: int, context: int, kv_dtype: torch.dtype) -> AttentionStep:
+    """Random queries and caches of a Llama shape's layers, each sequence's blocks `rows` apart."""
+    generator = torch.Generator().manual_seed(SEED + rows)
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape["hidden_size"] // heads
+    blocks = -(-context // BLOCK_SIZE)
+    cache_shape = (2, rows * blocks, BLOCK_SIZE, kv_heads, head_dim)
+    caches = [
+        torch.randn(cache_shape, generator=generator).to(kv_dtype) for _ in range(shape["num_hidden_layers"])
+    ]
+    tables = torch.arange(blocks, dtype=torch.int32) * rows + torch.arange(rows, dtype=torch.int32)[:, None]
+    query = torch.randn(rows, heads, head_dim, generator=generator)
+    lens = torch.full((rows,), context, dtype=torch.int32)
+    return AttentionStep(query, caches, tables, lens, head_dim**-0.5)
+
+
+def attend(ops: Any, step: AttentionStep, layer: int) -> torch.Tensor:
+    cache = step.caches[layer]
+    return ops.paged_decode_attention(
+        step.query, cache[0], cache[1], step.tables, step.lens, step.scale, 0.0, 0
+    )
+
+
+def attention_disagreement(builds: dict[str, Any], step: AttentionStep) -> str | None:
+    """The first layer where the builds' attention outputs differ beyond float32 rounding, or None."""
+    for layer in range(len(step.caches)):
+        a, b = (attend(builds[v], step, layer) for v in VARIANTS)
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            return f"layer {layer}'s attention: max difference {(a - b).abs().max().item():.3g}"
+    return None
+
+
+def measure_attention(
+    builds: dict[str, Any], step: AttentionStep, passes: int, warmup: int
+) -> dict[str, Any]:
+    """Every layer's decode attention, alternated, with each build's GB/s of keys and values."""
+
+    def run(ops: Any) -> None:
+        for layer in range(len(step.caches)):
+            attend(ops, step, layer)
+
+    result = alternate({v: (lambda ops=builds[v]: run(ops)) for v in VARIANTS}, passes, warmup)
+    return {
+        "rows": len(step.lens),
+        "context": int(step.lens[0]),
+        **result,
+        "kv_gbps": {v: step.kv_bytes() / result["median_ms"][v] * 1e3 / 1e9 for v in VARIANTS},
+    }
+
+
 def format_table(results: Sequence[dict[str, Any]]) -> str:
-    header = ["rows", "A ms", "B ms", "B GFLOP/s", "B GB/s", "A/B", "B won"]
+    """One line per rows: the medians, B's rate (GFLOP/s and weight GB/s, or attention's KV GB/s), A/B."""
+
+    def rates(r: dict[str, Any]) -> list[str]:
+        if "kv_gbps" in r:
+            return [f"{r['kv_gbps']['B']:.1f}"]
+        return [f"{r['gflops']['B']:.1f}", f"{r['weight_gbps']['B']:.1f}"]
+
+    rate_header = ["B KV GB/s"] if "kv_gbps" in results[0] else ["B GFLOP/s", "B GB/s"]
+    header = ["rows", "A ms", "B ms", *rate_header, "A/B", "B won"]
     lines = [
-        [str(r["rows"]), f"{r['median_ms']['A']:.2f}", f"{r['median_ms']['B']:.2f}", f"{r['gflops']['B']:.1f}",
-         f"{r['weight_gbps']['B']:.1f}", f"{r['ratio_a_over_b']:.3f}", f"{r['b_won']:.0%}"]
+        [str(r["rows"]), f"{r['median_ms']['A']:.2f}", f"{r['median_ms']['B']:.2f}", *rates(r),
+         f"{r['ratio_a_over_b']:.3f}", f"{r['b_won']:.0%}"]
         for r in results
     ]  # fmt: skip
     return "\n".join(throughput._render(header, lines))
+
+
+class Disagreement(Exception):
+    """The builds' outputs differ beyond float32 rounding; the message says where."""
+
+
+def run_linear(
+    builds: dict[str, Any], shape: dict[str, Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    layers = layer_weights(shape, torch.Generator().manual_seed(SEED), args.head)
+    # Interleaved, so that neither build's panels all lie in memory allocated later.
+    held = [prepack(builds[v], [layer]) for layer in layers for v in VARIANTS]
+    for r in args.rows:
+        if where := disagreement(builds, layers, r):
+            raise Disagreement(f"the builds disagree on {where}")
+    results = [measure(builds, layers, r, args.passes, args.warmup) for r in args.rows]
+    del held
+    return results
+
+
+def run_attention(
+    builds: dict[str, Any], shape: dict[str, Any], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    results = []
+    for r in args.rows:
+        step = attention_step(shape, r, args.context, KV_DTYPES[args.kv_dtype])
+        if where := attention_disagreement(builds, step):
+            raise Disagreement(f"the builds disagree on {r} sequences' {where}")
+        results.append(measure_attention(builds, step, args.passes, args.warmup))
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--base", default="HEAD", help="git revision of build A (default HEAD)")
     parser.add_argument(
         "--candidate", default=None, help="git revision of build B (default: the working tree)"
+    )
+    parser.add_argument(
+        "--kernel", default="linear", choices=sorted(KERNEL_SOURCES), help="which kernel (default: linear)"
     )
     parser.add_argument("--model", default="smollm-135m", choices=sorted(MODEL_SHAPES))
     parser.add_argument(
@@ -223,14 +354,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rows",
         type=throughput._int_list,
         default=[32],
-        help="comma-separated rows of x (tokens in a step; default: 32)",
+        help="comma-separated rows of x (tokens in a step), or sequences for attention (default: 32)",
+    )
+    parser.add_argument(
+        "--context", type=int, default=96, help="attention: tokens in each sequence's cache (default: 96)"
+    )
+    parser.add_argument(
+        "--kv-dtype", default="float32", choices=sorted(KV_DTYPES), help="attention: the cache's dtype"
     )
     parser.add_argument("--passes", type=int, default=60, help="timed passes of each build per rows")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
-    throughput.require_at_least_one(parser, args, ("passes", "layers", "threads"))
+    throughput.require_at_least_one(parser, args, ("passes", "layers", "threads", "context"))
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     shape = dict(MODEL_SHAPES[args.model])
@@ -240,23 +377,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="strata-kernel-ab-") as workdir:
         try:
-            builds = build_variants({"A": args.base, "B": args.candidate}, Path(workdir))
-        except BuildError as exc:
+            builds = build_variants(
+                {"A": args.base, "B": args.candidate}, Path(workdir), KERNEL_SOURCES[args.kernel]
+            )
+            run = run_attention if args.kernel == "attention" else run_linear
+            results = run(builds, shape, args)
+        except (BuildError, Disagreement) as exc:
             print(f"kernel_ab: {exc}", file=sys.stderr)
             return 1
-        layers = layer_weights(shape, torch.Generator().manual_seed(SEED), args.head)
-        # Interleaved, so that neither build's panels all lie in memory allocated later.
-        held = [prepack(builds[v], [layer]) for layer in layers for v in VARIANTS]
-        for r in args.rows:
-            if where := disagreement(builds, layers, r):
-                print(f"kernel_ab: the builds disagree on {where}", file=sys.stderr)
-                return 1
-        results = [measure(builds, layers, r, args.passes, args.warmup) for r in args.rows]
-        del held
     report = {
+        "kernel": args.kernel,
         "model": args.model,
         "layers": shape["num_hidden_layers"],
-        "head": args.head,
+        **(
+            {"context": args.context, "kv_dtype": args.kv_dtype}
+            if args.kernel == "attention"
+            else {"head": args.head}
+        ),
         "base": args.base,
         "candidate": args.candidate or "working tree",
         "threads": torch.get_num_threads(),

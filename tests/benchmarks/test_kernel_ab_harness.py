@@ -126,3 +126,75 @@ def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixtur
         harness.main(argv)
     assert exit_info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """HEAD against the working tree for the decode-attention kernel on the tiny model's layers, float16
+    caches: its JSON report and the table printed after it."""
+    harness = load_benchmark("kernel_ab")
+    argv = ["--kernel", "attention", "--base", "HEAD", "--model", "tiny", "--rows", "1,5", "--context", "40"]
+    argv += ["--kv-dtype", "float16", "--passes", "4", "--warmup", "1"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert harness.main(argv) == 0
+    report, end = json.JSONDecoder().raw_decode(stdout.getvalue())
+    return report, stdout.getvalue()[end:]
+
+
+@needs_checkout
+def test_attention_report_rates_come_from_the_kv_bytes_and_the_alternated_passes(
+    attention_run: tuple[dict[str, Any], str],
+) -> None:
+    report, table = attention_run
+    assert (report["kernel"], report["context"], report["kv_dtype"]) == ("attention", 40, "float16")
+    shape = load_benchmark("throughput").MODEL_SHAPES["tiny"]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    for result, rows in zip(report["results"], [1, 5], strict=True):
+        a, b = result["pass_ms"]["A"], result["pass_ms"]["B"]
+        assert (result["rows"], result["context"]) == (rows, 40) and len(a) == len(b) == 4
+        assert result["ratio_a_over_b"] == pytest.approx(statistics.median(a) / statistics.median(b))
+        # Keys and values of every sequence's 40 tokens in every layer, 2 bytes each.
+        kv_bytes = 2 * rows * 40 * shape["num_key_value_heads"] * head_dim * 2 * shape["num_hidden_layers"]
+        assert result["kv_gbps"]["B"] == pytest.approx(kv_bytes / statistics.median(b) / 1e6)
+    lines = table.strip().splitlines()
+    assert "B KV GB/s" in lines[0]
+    assert [line.split("|")[0].strip() for line in lines[2:]] == ["1", "5"]
+
+
+@needs_checkout
+@pytest.mark.parametrize("variant", ["A", "B"])
+def test_each_attention_build_attends_the_harness_caches_as_the_reference_does(
+    attention_run: tuple[dict[str, Any], str], variant: str
+) -> None:
+    """The harness's caches are paged caches as the engine lays them out (each sequence's blocks `rows`
+    apart), and each renamed build attends them as Strata's pure-PyTorch decode attention does."""
+    from strata.attention.backends import torch_native
+
+    report, _ = attention_run
+    harness = load_benchmark("kernel_ab")
+    ops = getattr(torch.ops, report["op_namespaces"][variant])
+    shape = load_benchmark("throughput").MODEL_SHAPES["tiny"]
+    step = harness.attention_step(shape, 3, 40, torch.float32)
+    assert step.tables.tolist() == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    for layer, cache in enumerate(step.caches):
+        expected = torch_native._decode_attention(
+            step.query, cache[0], cache[1], step.tables, step.lens, step.scale, 0.0, 0
+        )
+        torch.testing.assert_close(harness.attend(ops, step, layer), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kernel", "nope"],
+        ["--kernel", "attention", "--context", "0"],
+        ["--kernel", "attention", "--kv-dtype", "int8"],
+    ],
+)
+def test_bad_attention_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    harness = load_benchmark("kernel_ab")
+    with pytest.raises(SystemExit) as exit_info:
+        harness.main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
