@@ -185,6 +185,27 @@ def test_threads_split_the_items_by_their_tokens_and_every_item_is_attended_once
     torch.testing.assert_close(out, torch_native._decode_attention(*args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rising", [True, False], ids=["max rises every block", "max at random"])
+def test_scores_beyond_exp_range_rescale_the_blocks_before_a_higher_one(rising: bool) -> None:
+    """Scores past a hundred, where exp overflows float32 without the running maximum: each block that
+    raises the maximum rescales the sums of those before it, one that does not adds to them unscaled, and
+    the result is one softmax over the whole context. With `rising`, block j's keys are scaled by j + 1, so
+    nearly every block raises the maximum."""
+    generator = torch.Generator().manual_seed(3)
+    seq_lens = [1, 40, 300]
+    k_cache, v_cache, tables = _shuffled_cache(seq_lens, 2, 64, 2, generator)
+    if rising:
+        for table in tables:
+            for j, block in enumerate(table.tolist()):
+                k_cache[block] *= j + 1
+    query = torch.randn(len(seq_lens), 6, 64, generator=generator) * 40
+    args = (query, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 64**-0.5, 0.0, 0)
+    out = torch.ops.strata_cpu.paged_decode_attention(*args)
+    scores = torch.einsum("hd,td->ht", query[2, :2], k_cache[tables[2]].flatten(0, 1)[:300, 0]) / 8
+    assert scores.max() > 100  # past float32's exp range (88)
+    torch.testing.assert_close(out, torch_native._decode_attention(*args), rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_reads_int64_tables_and_odd_head_dims() -> None:
     """The model runner builds int64 block tables; a head_dim that is not a multiple of 16 has a tail."""
     query, k_cache, v_cache, block_tables, seq_lens = _paged_inputs(6, 3, 17, torch.float32, seed=1)
