@@ -118,6 +118,9 @@ def test_unknown_revision_is_refused_before_any_build(capsys: pytest.CaptureFixt
         ["--layers", "0"],
         ["--threads", "0"],
         ["--model", "nope"],
+        ["--kernel", "nope"],
+        ["--kernel", "attention", "--context", "0"],
+        ["--kernel", "attention", "--kv-dtype", "int8"],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -182,19 +185,3 @@ def test_each_attention_build_attends_the_harness_caches_as_the_reference_does(
             step.query, cache[0], cache[1], step.tables, step.lens, step.scale, 0.0, 0
         )
         torch.testing.assert_close(harness.attend(ops, step, layer), expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--kernel", "nope"],
-        ["--kernel", "attention", "--context", "0"],
-        ["--kernel", "attention", "--kv-dtype", "int8"],
-    ],
-)
-def test_bad_attention_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    harness = load_benchmark("kernel_ab")
-    with pytest.raises(SystemExit) as exit_info:
-        harness.main(argv)
-    assert exit_info.value.code == 2
-    assert "error:" in capsys.readouterr().err
