@@ -147,6 +147,23 @@ inline NativeTile load_native(const T* p) {
   return v;
 }
 
+// load_native, a float tile then kept in a register for all its uses (an empty asm that takes it in a vector
+// register). Where one float tile serves several FMAs, GCC otherwise folds its load into each of them as a
+// memory operand, loading the same tile once per use: decode attention's value tiles, once per query head of
+// a KV head. A widened tile is computed into a register anyway.
+template <typename T>
+inline NativeTile load_native_once(const T* p) {
+  NativeTile v = load_native(p);
+  if constexpr (std::is_same_v<T, float>) {
+#if defined(__x86_64__) || defined(__i386__)
+    asm("" : "+v"(v));
+#elif defined(__aarch64__)
+    asm("" : "+w"(v));
+#endif
+  }
+  return v;
+}
+
 // kLanes consecutive elements of p widened to float, one native register at a time (`load_native`).
 template <typename T>
 inline FloatTile load_tile(const T* p) {

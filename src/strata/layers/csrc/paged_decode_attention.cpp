@@ -69,6 +69,7 @@ inline void for_head_groups(int64_t group, F&& f) {
 using strata_kernels::lane_max;
 using strata_kernels::lane_total;
 using strata_kernels::load_native;
+using strata_kernels::load_native_once;
 using strata_kernels::exp_nonpositive;
 using strata_kernels::native_lane_sums;
 
@@ -284,6 +285,9 @@ void attend_one(const Shape& s, const T* k, const T* v, Indices table, int64_t f
 // sum and a rescale every chunk (`benchmarks/kernel_ab.py --kernel attention`, 2 threads, SmolLM-135M's 30
 // layers' caches from memory): 1.035x at 32 sequences of 96 tokens (1.069x in float16), 1.035x at 160, 1.055x
 // at one sequence of 96 and 1.077x at one of 2000; 1.065x with the caches in L2. A control read 1.012x.
+// Each float32 value tile is then loaded once for the group's heads (`load_native_once`), where GCC had
+// loaded it once per head: 1.015-1.040x in six runs at 32 sequences of 96 tokens, 1.039-1.050x at one of
+// 2000, 1.033-1.037x in L2.
 template <int MG, int DT, int DVT, typename T>
 void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t first, int64_t len,
                   int64_t kv_head, const float* q, float* out, float* stats) {
@@ -366,7 +370,7 @@ void attend_tiles(const Shape& s, const T* k, const T* v, Indices table, int64_t
       for (int64_t t = 0; t < n; ++t) {
         const T* val = vb + (c0 + t) * vs;
         for (int d = 0; d < DVT; ++d) {
-          const Tile vt = load_native(val + d * kTile);
+          const Tile vt = load_native_once(val + d * kTile);
           for (int g = 0; g < MG; ++g) acc[g][d] += p[g][t] * vt;
         }
       }
