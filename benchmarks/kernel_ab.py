@@ -45,14 +45,15 @@ import throughput
 import torch
 from throughput import MODEL_SHAPES, REPO_ROOT
 
+from strata.config import KV_CACHE_DTYPES, CacheConfig
 from strata.layers import cpu_kernels
 
 SOURCE_DIR = "src/strata/layers/csrc"
 LINEAR_SOURCE = "small_batch_linear.cpp"
 KERNEL_SOURCES = {"linear": LINEAR_SOURCE, "attention": "paged_decode_attention.cpp"}
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The engine's default KV block size (`CacheConfig.block_size`).
-BLOCK_SIZE = 16
+# The engine's cache dtypes by name ("auto", the model's dtype, means nothing without a model).
+KV_DTYPES = sorted(name for name in KV_CACHE_DTYPES if name != "auto")
+BLOCK_SIZE = CacheConfig.block_size  # the engine's default
 VARIANTS = ("A", "B")
 SEED = 0
 
@@ -322,7 +323,7 @@ def run_attention(
 ) -> list[dict[str, Any]]:
     results = []
     for r in args.rows:
-        step = attention_step(shape, r, args.context, KV_DTYPES[args.kv_dtype])
+        step = attention_step(shape, r, args.context, getattr(torch, args.kv_dtype))
         if where := attention_disagreement(builds, step):
             raise Disagreement(f"the builds disagree on {r} sequences' {where}")
         results.append(measure_attention(builds, step, args.passes, args.warmup))
@@ -360,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--context", type=int, default=96, help="attention: tokens in each sequence's cache (default: 96)"
     )
     parser.add_argument(
-        "--kv-dtype", default="float32", choices=sorted(KV_DTYPES), help="attention: the cache's dtype"
+        "--kv-dtype", default="float32", choices=KV_DTYPES, help="attention: the cache's dtype"
     )
     parser.add_argument("--passes", type=int, default=60, help="timed passes of each build per rows")
     parser.add_argument("--warmup", type=int, default=3)
