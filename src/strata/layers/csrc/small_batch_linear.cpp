@@ -33,6 +33,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx_panel_gemm.h"
 #include "float_rows.h"
 #include "float_tiles.h"
 #include "panel_gemm.h"
@@ -64,6 +65,12 @@ constexpr int64_t kMinPanelBytes = 1 << 20;
 // Whether x's `rows` read packed panels of weights totalling `bytes` (when they have them).
 bool reads_panels(int64_t rows, int64_t bytes) {
   return rows >= kMinPanelRows || (rows >= 1 && bytes >= kMinPanelBytes);
+}
+
+// bf16x3 panels (`amx_panel_gemm.h`) are read from kMinPanelRows rows on only, whatever the weight's size:
+// below that the dense float32 weight streams as fast, and exactly.
+bool reads_packed(const at::Tensor& packed, int64_t rows, int64_t bytes) {
+  return packed.scalar_type() == at::kBFloat16 ? rows >= kMinPanelRows : reads_panels(rows, bytes);
 }
 
 using strata_kernels::kLanes;
@@ -363,6 +370,30 @@ constexpr int64_t kPackForRows = 32;
 // Whether a float32 weight's packed copy is in Strata's column panels (`panel_gemm.h`), not oneDNN's layout.
 constexpr bool kFloatPanels = kHasPanelGemm;
 
+// Whether float32 weights packed now take the bf16x3 form of `amx_panel_gemm.h`: where this build has the
+// AMX kernel, the process may use the tiles, and PyTorch's float32 matmul precision is "high" or "medium"
+// (`torch.set_float32_matmul_precision`) when the weight is packed. Its packed tensor is bfloat16, the
+// float32 panels' float32: that is how the calls tell them apart.
+bool packs_bf16x3() {
+#ifdef STRATA_AMX
+  return at::globalContext().float32MatmulPrecision() != at::Float32MatmulPrecision::HIGHEST &&
+         strata_kernels::amx_usable();
+#else
+  return false;
+#endif
+}
+
+// A float32 weight's panels as they are to be packed now: bf16x3 items or float32 panels.
+at::Tensor pack_float_panels(const at::Tensor& weight, bool glu) {
+  return packs_bf16x3() ? strata_kernels::pack_amx_panels(weight, glu) : strata_kernels::pack_panels(weight, glu);
+}
+
+// Whether a registered copy is in the form packing would give now (a change of precision repacks).
+bool packed_as_now(const at::Tensor& packed, const at::Tensor& weight) {
+  return weight.scalar_type() != at::kFloat || !kFloatPanels ||
+         (packed.scalar_type() == at::kBFloat16) == packs_bf16x3();
+}
+
 // `weight` [N, K] for wide inputs, registered so that `linear` with this very weight (same storage, shape
 // and version) reads it: float32 in column panels where the CPU has AVX-512 (`kFloatPanels`), else float32
 // or bfloat16 in oneDNN's blocked layout. int8 weights are packed widened to bfloat16, the form wide inputs
@@ -381,12 +412,14 @@ std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
                    (dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))))) {
     return std::nullopt;
   }
-  if (at::Tensor existing = find_packed(weight); existing.defined()) return existing;
+  if (at::Tensor existing = find_packed(weight); existing.defined() && packed_as_now(existing, weight)) {
+    return existing;
+  }
   using Signature = at::Tensor(const at::Tensor&, std::optional<int64_t>);
   static const auto reorder = c10::Dispatcher::singleton()
                                   .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
                                   .typed<Signature>();
-  at::Tensor packed = panels ? strata_kernels::pack_panels(weight)
+  at::Tensor packed = panels ? pack_float_panels(weight, false)
                              : reorder.call(int8 ? weight.to(at::kBFloat16) : weight, kPackForRows);
   register_packed(weight, packed, false);
   return packed;
@@ -410,11 +443,13 @@ std::optional<at::Tensor> prepack_glu_weight(const at::Tensor& weight, std::stri
   gate_activation_named(activation);
   if (!kFloatPanels || weight.dim() != 2 || !weight.is_contiguous() || weight.scalar_type() != at::kFloat ||
       weight.size(0) == 0 || weight.size(0) % 2 != 0 || weight.size(1) == 0 ||
-      weight.size(1) > strata_kernels::kMaxDepth) {
+      (weight.size(1) > strata_kernels::kMaxDepth && !packs_bf16x3())) {
     return std::nullopt;
   }
-  if (at::Tensor existing = find_packed(weight, true); existing.defined()) return existing;
-  at::Tensor packed = strata_kernels::pack_panels(weight, true);
+  if (at::Tensor existing = find_packed(weight, true); existing.defined() && packed_as_now(existing, weight)) {
+    return existing;
+  }
+  at::Tensor packed = pack_float_panels(weight, true);
   register_packed(weight, packed, true);
   return packed;
 }
@@ -427,19 +462,33 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
                         const std::vector<std::optional<at::Tensor>>& biases) {
   const at::Tensor xc = x.contiguous();
   std::vector<at::Tensor> held;  // float32 contiguous biases, alive for the call
-  std::vector<strata_kernels::PanelWeight> parts;
-  int64_t columns = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const float* bias = nullptr;
-    if (biases[i]) bias = held.emplace_back(as_float_contiguous(*biases[i])).data_ptr<float>();
-    const int64_t N = weights[i].size(0);
-    parts.push_back({packed[i].data_ptr<float>(), bias, N, columns});
-    columns += GATE == GateActivation::kNone ? N : N / 2;
+  std::vector<const float*> bias_of;
+  for (const auto& b : biases) {
+    bias_of.push_back(b ? held.emplace_back(as_float_contiguous(*b)).data_ptr<float>() : nullptr);
   }
   const int64_t M = x.size(0), K = x.size(1);
+  const bool bf16x3 = packed[0].scalar_type() == at::kBFloat16;
+  std::vector<strata_kernels::PanelWeight> parts;
+  std::vector<strata_kernels::AmxPanelWeight> amx_parts;
+  int64_t columns = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t N = weights[i].size(0);
+    if (bf16x3) {
+      amx_parts.push_back({reinterpret_cast<const uint16_t*>(packed[i].data_ptr()), bias_of[i], N, columns});
+    } else {
+      parts.push_back({packed[i].data_ptr<float>(), bias_of[i], N, columns});
+    }
+    columns += GATE == GateActivation::kNone ? N : N / 2;
+  }
   at::Tensor out = at::empty({M, columns}, x.options());
-  strata_kernels::panel_gemm<GATE>(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
-                                   thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
+  if (bf16x3) {
+    const int64_t item_bytes = strata_kernels::amx_padded_depth(K) * strata_kernels::kAmxItemColumns * 4;
+    strata_kernels::amx_panel_gemm<GATE>(xc.data_ptr<float>(), M, K, amx_parts, out.data_ptr<float>(), columns,
+                                         thread_grain(item_bytes, M));
+  } else {
+    strata_kernels::panel_gemm<GATE>(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
+                                     thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
+  }
   return out;
 }
 
@@ -509,7 +558,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     return bias ? out.add_(*bias) : out;
   }
   if (reads_panels(M, N * K * 4)) {
-    if (const at::Tensor panels = find_panels(x, weight); panels.defined()) {
+    if (const at::Tensor panels = find_panels(x, weight); panels.defined() && reads_packed(panels, M, N * K * 4)) {
       return panel_linear(x, {weight}, {panels}, {bias});
     }
   }
@@ -556,7 +605,7 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& weight, std::string
               " features but weight expects ", weight.size(1));
   const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
   if (kFloatPanels && x.scalar_type() == at::kFloat && M > 0 && reads_panels(M, N * K * 4)) {
-    if (const at::Tensor panels = find_packed(weight, true); panels.defined()) {
+    if (const at::Tensor panels = find_packed(weight, true); panels.defined() && reads_packed(panels, M, N * K * 4)) {
       return gate == GateActivation::kSilu
                  ? panel_linear<GateActivation::kSilu>(x, {weight}, {panels}, {std::nullopt})
                  : panel_linear<GateActivation::kGeluTanh>(x, {weight}, {panels}, {std::nullopt});
@@ -603,10 +652,10 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
     std::vector<at::Tensor> panels;
     for (const auto& w : weights) {
       at::Tensor p = w.dim() == 2 && w.size(1) == x.size(1) ? find_panels(x, w) : at::Tensor();
-      if (!p.defined()) break;
+      if (!p.defined() || (!panels.empty() && p.scalar_type() != panels[0].scalar_type())) break;
       panels.push_back(std::move(p));
     }
-    if (panels.size() == weights.size()) {
+    if (panels.size() == weights.size() && reads_packed(panels[0], x.size(0), bytes)) {
       return panel_linear(x, weights, panels, std::vector<std::optional<at::Tensor>>(weights.size()));
     }
   }
