@@ -10,7 +10,8 @@ function timing only the generation itself. Peers (llama.cpp) and variants (comp
 added as more entries; `--engines strata,strata-hw-agnostic,strata-example-plugin,transformers` compares
 Strata's default layers, its hw-agnostic layers and the example plugin's override in one run;
 `--engines strata,strata-compiled` compares eager and compiled decode;
-`--engines strata,strata-bf16,strata-int8` compares float32 weights with bfloat16 and int8 weight-only ones.
+`--engines strata,strata-bf16,strata-int8` compares float32 weights with bfloat16 and int8 weight-only ones;
+`--engines strata-compiled,strata-compiled-high` the default float32 matmuls with bf16x3 ones on AMX CPUs.
 
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,8,32 --json-out /tmp/throughput.json
 
@@ -160,31 +161,41 @@ def strata_llm(
     dtype: str = "float32",
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    fp32_matmul_precision: str = "highest",
 ) -> Any:
     """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
 
     With `compile` the forward is compiled when the engine is built (a one-token warm-up), so timed runs
     measure compiled decode, not compilation. `dtype` and `quantization` give the lower-precision variants
     (the weights are the same float32 folder, converted or quantized as they load); `kv_cache_dtype` a 16-bit
-    KV cache under float32 weights (llama.cpp's default keeps its cache in float16)."""
+    KV cache under float32 weights (llama.cpp's default keeps its cache in float16); `fp32_matmul_precision`
+    the `torch.set_float32_matmul_precision` the weights are packed under ("high": bf16x3 on AMX CPUs), set
+    only while the engine is built so that the other engines of the run keep the default."""
     from strata import LLM, SamplingParams
 
-    # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
-    llm = LLM(
-        model=str(folder),
-        dtype=dtype,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-        seed=0,
-        skip_tokenizer_init=True,
-        max_model_len=limits.max_len,
-        max_num_seqs=limits.max_batch,
-        layer_impl=layer_impl,
-        compile=compile,
-        compilation_config={"mode": compile_mode},
-    )
-    if compile:
-        llm.generate({"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False)
+    previous_precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(fp32_matmul_precision)
+    try:
+        # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
+        llm = LLM(
+            model=str(folder),
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            seed=0,
+            skip_tokenizer_init=True,
+            max_model_len=limits.max_len,
+            max_num_seqs=limits.max_batch,
+            layer_impl=layer_impl,
+            compile=compile,
+            compilation_config={"mode": compile_mode},
+        )
+        if compile:
+            llm.generate(
+                {"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False
+            )
+    finally:
+        torch.set_float32_matmul_precision(previous_precision)
     return llm
 
 
@@ -312,6 +323,7 @@ STRATA_VARIANTS: dict[str, dict[str, Any]] = {
     "strata-hw-agnostic": {"layer_impl": "hw-agnostic"},
     "strata-compiled": {"compile": True},
     "strata-compiled-kv16": {"compile": True, "kv_cache_dtype": "float16"},
+    "strata-compiled-high": {"compile": True, "fp32_matmul_precision": "high"},
     "strata-compiled-layer": {"compile": True, "compile_mode": "layer"},
     "strata-hw-agnostic-compiled": {"layer_impl": "hw-agnostic", "compile": True},
     "strata-bf16": {"dtype": "bfloat16"},
