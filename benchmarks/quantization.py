@@ -1,6 +1,7 @@
 """How far lower-precision weights move greedy decoding from float32: top-1 agreement over N tokens.
 
-Float32 generates N tokens greedily from a prompt; each variant (bfloat16 weights, int8 weight-only) then
+Float32 generates N tokens greedily from a prompt; each variant (bfloat16 weights, int8 weight-only, float32
+packed at "high" precision: bf16x3 on AMX CPUs, which batch-1 decode does not read) then
 reads prompt + those tokens as its prompt (teacher forcing) and, at every position, we check whether the
 float32 token is its own top-1 choice, and how far that token's logprob moved; once with the whole sequence
 in one step (`prefill`) and once one token per step (`decode`, the path of batch-1 generation; the int8
@@ -32,6 +33,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
+    "fp32-high": {"fp32_matmul_precision": "high"},  # bf16x3 on AMX CPUs, from 4 rows: prefill only here
 }
 
 

@@ -161,7 +161,7 @@ def strata_llm(
     dtype: str = "float32",
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
-    fp32_matmul_precision: str = "highest",
+    fp32_matmul_precision: str | None = None,
 ) -> Any:
     """Strata's offline `LLM` with its default scheduler and cache settings, the cache sized to the workload.
 
@@ -169,33 +169,26 @@ def strata_llm(
     measure compiled decode, not compilation. `dtype` and `quantization` give the lower-precision variants
     (the weights are the same float32 folder, converted or quantized as they load); `kv_cache_dtype` a 16-bit
     KV cache under float32 weights (llama.cpp's default keeps its cache in float16); `fp32_matmul_precision`
-    the `torch.set_float32_matmul_precision` the weights are packed under ("high": bf16x3 on AMX CPUs), set
-    only while the engine is built so that the other engines of the run keep the default."""
+    the precision float32 weights are packed under ("high": bf16x3 on AMX CPUs)."""
     from strata import LLM, SamplingParams
 
-    previous_precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(fp32_matmul_precision)
-    try:
-        # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
-        llm = LLM(
-            model=str(folder),
-            dtype=dtype,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            seed=0,
-            skip_tokenizer_init=True,
-            max_model_len=limits.max_len,
-            max_num_seqs=limits.max_batch,
-            layer_impl=layer_impl,
-            compile=compile,
-            compilation_config={"mode": compile_mode},
-        )
-        if compile:
-            llm.generate(
-                {"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False
-            )
-    finally:
-        torch.set_float32_matmul_precision(previous_precision)
+    # Without max_model_len/max_num_seqs the default cache would take a quarter of free memory.
+    llm = LLM(
+        model=str(folder),
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=limits.max_len,
+        max_num_seqs=limits.max_batch,
+        layer_impl=layer_impl,
+        fp32_matmul_precision=fp32_matmul_precision,
+        compile=compile,
+        compilation_config={"mode": compile_mode},
+    )
+    if compile:
+        llm.generate({"prompt_token_ids": [FIRST_PROMPT_ID]}, SamplingParams(max_tokens=1), use_tqdm=False)
     return llm
 
 

@@ -193,6 +193,7 @@ class SchedulerConfig:
 
 
 LAYER_IMPLS = ("default", "hw-agnostic")
+FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
 @dataclass
@@ -204,11 +205,15 @@ class LayerConfig:
     `prepack_weights` lets layers keep a second copy of their weights in a faster kernel's own layout
     (STRATA_PREPACK_WEIGHTS; on): more memory for speed, and only while a quarter of the machine's memory
     stays free (`layers.linear.prepacked_copy`).
+    `fp32_matmul_precision` is the `torch.set_float32_matmul_precision` float32 weights are packed under
+    (None: whatever torch's is when the model loads): "high" or "medium" lets CPUs with AMX multiply them as
+    bf16x3 from 4 rows of x on (`amx_panel_gemm.h`), "highest" keeps exact float32.
     """
 
     layer_impl: str | None = None
     custom_ops: list[str] = field(default_factory=lambda: ["all"])
     prepack_weights: bool = field(default_factory=envs.prepack_weights_default)
+    fp32_matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.layer_impl is None:
@@ -220,6 +225,14 @@ class LayerConfig:
         self.custom_ops = list(self.custom_ops)
         if not isinstance(self.prepack_weights, bool):
             raise ConfigError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
+        if (
+            self.fp32_matmul_precision is not None
+            and self.fp32_matmul_precision not in FP32_MATMUL_PRECISIONS
+        ):
+            raise ConfigError(
+                f"fp32_matmul_precision must be one of {', '.join(FP32_MATMUL_PRECISIONS)}, "
+                f"got {self.fp32_matmul_precision!r}"
+            )
         bases = [op for op in self.custom_ops if op in ("all", "none")]
         if len(bases) > 1:
             raise ConfigError(f"custom_ops may hold one of 'all' or 'none', got {self.custom_ops!r}")

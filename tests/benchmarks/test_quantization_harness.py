@@ -16,7 +16,7 @@ def test_tiny_agreement_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads(capsys.readouterr().out)["tiny"]
     assert report["tokens"] == 12
     assert set(report["variants"]) == {
-        f"{v}/{p}" for v in ("fp32", "bf16", "int8") for p in ("decode", "prefill")
+        f"{v}/{p}" for v in ("fp32", "bf16", "int8", "fp32-high") for p in ("decode", "prefill")
     }
     for variant in report["variants"].values():
         assert 0.5 <= variant["top1_agreement"] <= 1.0

@@ -7,6 +7,7 @@ of the three products left out is off by 2^-9 to 2^-8), check that the packed co
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import subprocess
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from strata import LLM, SamplingParams, envs
+from strata.config import ConfigError, LayerConfig
+from strata.entrypoints.layers_cli import add_layer_arguments, layer_config_kwargs
 from strata.layers import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -180,23 +183,19 @@ def _packed_dtypes(model: torch.nn.Module) -> set[torch.dtype]:
     return {copy.value.dtype for copy in copies if copy is not None}
 
 
-def test_an_engine_built_under_high_precision_generates_like_the_float32_one(
+def test_an_engine_built_at_high_precision_generates_like_the_float32_one(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
-    """An engine built under "high" holds bf16x3 copies (and one built under "highest" none), and its greedy
-    tokens and their logprobs over a batch of 4 prompts (prefill and 4-row decode steps read the copies)
-    follow the float32 engine's."""
+    """`LLM(fp32_matmul_precision="high")` packs bf16x3 copies (and "highest" float32 ones) without touching
+    torch's own setting, and its greedy tokens and their logprobs over a batch of 4 prompts (prefill and
+    4-row decode steps read the copies) follow the float32 engine's."""
     _require_amx()
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24 + i)]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
     outputs, dtypes = {}, {}
     for precision in ("highest", "high"):
-        previous = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(precision)
-        try:
-            llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True)
-        finally:
-            torch.set_float32_matmul_precision(previous)
+        llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, fp32_matmul_precision=precision)
+        assert torch.get_float32_matmul_precision() == "highest"
         dtypes[precision] = llm.apply_model(_packed_dtypes)
         outputs[precision] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
     assert dtypes == {"highest": {torch.float32}, "high": {torch.bfloat16}}
@@ -204,3 +203,15 @@ def test_an_engine_built_under_high_precision_generates_like_the_float32_one(
         assert exact.token_ids == high.token_ids
         for token, a, b in zip(exact.token_ids, exact.logprobs, high.logprobs, strict=True):
             assert abs(a[token].logprob - b[token].logprob) < 1e-3
+
+
+def test_fp32_matmul_precision_option_reaches_the_layer_config_and_bad_values_are_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_layer_arguments(parser)
+    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).fp32_matmul_precision is None
+    args = parser.parse_args(["--fp32-matmul-precision", "high"])
+    assert LayerConfig(**layer_config_kwargs(args)).fp32_matmul_precision == "high"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--fp32-matmul-precision", "tf32"])
+    with pytest.raises(ConfigError, match="fp32_matmul_precision must be one of highest, high, medium"):
+        LLM(fp32_matmul_precision="fast")

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from strata.config import LAYER_IMPLS
+from strata.config import FP32_MATMUL_PRECISIONS, LAYER_IMPLS
 
 
 def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,13 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
         "Strata's panels, from 4 rows or for weights of 1 MB; else oneDNN's layout, over 8 rows): faster "
         "there, twice the linear weights' memory (default: STRATA_PREPACK_WEIGHTS, on)",
     )
+    parser.add_argument(
+        "--fp32-matmul-precision",
+        choices=FP32_MATMUL_PRECISIONS,
+        default=None,
+        help="torch.set_float32_matmul_precision for packing float32 weights: 'high' multiplies them as bf16x3 "
+        "on CPUs with AMX, from 4 rows of x on (default: torch's own setting, 'highest' unless changed)",
+    )
 
 
 def layer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +46,8 @@ def layer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["custom_ops"] = [op.strip() for op in args.custom_ops.split(",") if op.strip()]
     if args.prepack_weights is not None:
         kwargs["prepack_weights"] = args.prepack_weights
+    if args.fp32_matmul_precision is not None:
+        kwargs["fp32_matmul_precision"] = args.fp32_matmul_precision
     return kwargs
 
 

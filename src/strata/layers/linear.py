@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -25,25 +27,41 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PREPACK_KEEP_FREE_FRACTION = 0.25
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str | None) -> Iterator[None]:
+    """`torch.set_float32_matmul_precision(precision)` for the block (None: as it is), restored after."""
+    if precision is None:
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def prepacked_copy(
-    weight: torch.Tensor, glu_activation: str | None = None
+    weight: torch.Tensor, glu_activation: str | None = None, fp32_matmul_precision: str | None = None
 ) -> ProcessLocalValue[torch.Tensor] | None:
     """Register a packed copy of `weight` with `strata_cpu::linear`, which reads it for prefill and batches
     (float32 on AVX-512 CPUs: the column panels of Strata's own GEMM, from 4 rows on or for weights of 1 MB
     and more; otherwise oneDNN's layout, over 8 rows), and return the copy for the layer to hold: it lives
     as long as the layer, and the op finds it by the weight's storage. Process-local, because a saved
     compiled trace pickles the layer and a oneDNN tensor cannot be pickled. With `glu_activation`, the copy
-    is a GLU MLP's [gate; up] weight packed for `strata_cpu::linear_glu` instead. None where the op keeps no
-    copy of this weight, or memory is short."""
+    is a GLU MLP's [gate; up] weight packed for `strata_cpu::linear_glu` instead. A float32 weight is packed
+    under `fp32_matmul_precision` (None: torch's current setting): "high" or "medium" gives bf16x3 items on
+    CPUs with AMX. None where the op keeps no copy of this weight, or memory is short."""
     copy_bytes = weight.numel() * (2 if weight.dtype == torch.int8 else weight.element_size())  # int8: bf16
     available = host_memory.available_bytes()
     if available - copy_bytes < PREPACK_KEEP_FREE_FRACTION * host_memory.total_bytes():
         _warn_memory_short(available)
         return None
-    if glu_activation is None:
-        packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
-    else:
-        packed = torch.ops.strata_cpu.prepack_glu_weight(weight, glu_activation)
+    with float32_matmul_precision(fp32_matmul_precision):
+        if glu_activation is None:
+            packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+        else:
+            packed = torch.ops.strata_cpu.prepack_glu_weight(weight, glu_activation)
     return None if packed is None else ProcessLocalValue(packed)
 
 
@@ -80,7 +98,9 @@ class Linear(LinearBase):
             and self.weight.dtype in _KERNEL_DTYPES
             and cpu_kernels.load("small_batch_linear")
         )
-        self.prepack = self.use_kernel and get_current_layer_config().prepack_weights
+        layer_config = get_current_layer_config()
+        self.prepack = self.use_kernel and layer_config.prepack_weights
+        self.fp32_matmul_precision = layer_config.fp32_matmul_precision
         self._packed_weight: ProcessLocalValue[torch.Tensor] | None = None
 
     def process_weights_after_loading(self) -> None:
@@ -89,7 +109,9 @@ class Linear(LinearBase):
         1.1-1.5x faster than oneDNN's layout at 9-128 rows (and read from 4 rows on, or from 1 row for
         weights of 1 MB and more); the cost is a second copy of the weight."""
         if self.prepack:
-            self._packed_weight = prepacked_copy(self.weight)
+            self._packed_weight = prepacked_copy(
+                self.weight, fp32_matmul_precision=self.fp32_matmul_precision
+            )
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

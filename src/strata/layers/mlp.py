@@ -62,7 +62,7 @@ class GluMLP(PluggableLayer):
             or gate_up.bias is not None
         ):
             return
-        self._glu_panels = prepacked_copy(gate_up.weight, activation)
+        self._glu_panels = prepacked_copy(gate_up.weight, activation, gate_up.fp32_matmul_precision)
         if self._glu_panels is not None:
             self.fused_activation = activation
             self.forward_method_name = f"forward (strata_cpu::linear_glu, {activation})"  # what reports show
