@@ -317,6 +317,11 @@ STRATA_VARIANTS: dict[str, dict[str, Any]] = {
     "strata-compiled": {"compile": True},
     "strata-compiled-kv16": {"compile": True, "kv_cache_dtype": "float16"},
     "strata-compiled-high": {"compile": True, "fp32_matmul_precision": "high"},
+    "strata-compiled-high-kv16": {
+        "compile": True,
+        "fp32_matmul_precision": "high",
+        "kv_cache_dtype": "float16",
+    },
     "strata-compiled-layer": {"compile": True, "compile_mode": "layer"},
     "strata-hw-agnostic-compiled": {"layer_impl": "hw-agnostic", "compile": True},
     "strata-bf16": {"dtype": "bfloat16"},
