@@ -36,6 +36,11 @@ the other read 207), recorded in the JSON `machine` section (`roofline`; both me
   every sequence's prompt and generated tokens but the last go through the layers (2 * (params - head) each)
   and each generated token through the LM head (2 * head_params), as vLLM's total-token throughput counts
   prompts. Decode rows also give `total_tokens_per_s` (prompt and output tokens per second).
+- `roof%` (`roofline_fraction`), decode rows (not those of an engine that takes a batch's prompts one after
+  another): the least time the run could take at both limits at once (`roofline_seconds`: each step the
+  longer of reading its weights and KV cache and doing its FLOPs, perfectly overlapped) over its median time. `flop%` and `bw%` each hold a row to one
+  limit; where a batch's steps need about as long for their reads as for their FLOPs (the ridge), neither
+  can come near 100%, and `roof%` says how much is really left.
 
 Prefill. `--prefill-len N` (default 512; 0 turns it off) times, for each engine, one prompt of N random ids
 that produces a single token: the time is the prompt's forward pass. Engines for it are built again with
@@ -344,6 +349,20 @@ ENGINE_WEIGHT_BYTES: dict[str, float] = {
     "strata-int8": 1.0,
     "strata-int8-compiled": 1.0,
 }
+# Bytes per cached key or value (default: float32, the folder's dtype): a 16-bit cache, bfloat16 weights'
+# own, and llama.cpp's default float16 cache.
+ENGINE_KV_BYTES: dict[str, float] = {
+    "strata-compiled-kv16": 2.0,
+    "strata-compiled-high-kv16": 2.0,
+    "strata-bf16": 2.0,
+    "strata-bf16-compiled": 2.0,
+    LLAMA_CPP: 2.0,
+}
+# Engines whose matmuls run at the bfloat16 rate (bfloat16 weights; int8 ones are multiplied as bfloat16
+# from 9 rows on); the others at float32's.
+BF16_MATMUL_ENGINES = frozenset(
+    {"strata-bf16", "strata-bf16-compiled", "strata-int8", "strata-int8-compiled"}
+)
 # Engines that generate a batch's prompts one after another rather than together.
 SEQUENTIAL_ENGINES = frozenset({LLAMA_CPP})
 
@@ -388,7 +407,8 @@ def model_weights(folder: Path) -> dict[str, int]:
     `params` and `bytes` count every stored tensor; `matmul_params` and `matmul_bytes` leave out an untied
     input embedding table (a token reads one row of it), so they are what one decode step multiplies by and
     reads. A tied table is stored once and counted once, as the LM head. `head_params`: the LM head's share
-    of `matmul_params`, which only the positions that produce a token multiply by."""
+    of `matmul_params`, which only the positions that produce a token multiply by. `kv_values_per_token`: the
+    keys and values a token leaves in the cache, over all layers."""
     config = json.loads((folder / "config.json").read_text())
     shapes = _safetensors_shapes(folder / "model.safetensors")
     params = total_bytes = matmul_params = matmul_bytes = 0
@@ -408,6 +428,10 @@ def model_weights(folder: Path) -> dict[str, int]:
         "matmul_params": matmul_params,
         "matmul_bytes": matmul_bytes,
         "head_params": math.prod(shapes[head][1]),
+        "kv_values_per_token": 2
+        * config["num_hidden_layers"]
+        * config.get("num_key_value_heads", config["num_attention_heads"])
+        * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]),
     }
 
 
@@ -616,6 +640,34 @@ def work_flops(weights: dict[str, int], sequences: int, prompt_len: int, new_tok
     return sequences * 2 * (layers * (prompt_len + new_tokens - 1) + head * new_tokens)
 
 
+def roofline_seconds(
+    engine: str,
+    weights: dict[str, int],
+    roofline: dict[str, Any],
+    sequences: int,
+    prompt_len: int,
+    new_tokens: int,
+) -> float:
+    """The least time `sequences` prompts of `prompt_len` generating `new_tokens` each could take at the
+    machine's two limits, each step overlapping its memory reads and its FLOPs perfectly and doing nothing
+    else: the prompts as one step (their FLOPs, or one read of the weights), then each decode step the
+    longer of reading the weights and every sequence's KV cache so far at the memory's rate and doing its
+    FLOPs at the matmul rate. A batch decoding at the roofline's ridge is bound by both at once, and no
+    engine can reach either limit there."""
+    rate_key = "matmul_bf16_gflop_s" if engine in BF16_MATMUL_ENGINES else "matmul_fp32_gflop_s"
+    rate, bandwidth = roofline[rate_key] * 1e9, roofline["memory_read_gb_s"] * 1e9
+    head = weights["head_params"]
+    layers = weights["matmul_params"] - head
+    weight_bytes = weights["matmul_params"] * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
+    kv_bytes_per_token = weights["kv_values_per_token"] * ENGINE_KV_BYTES.get(engine, 4.0)
+    seconds = max(sequences * 2 * (layers * prompt_len + head) / rate, weight_bytes / bandwidth)
+    for context in range(prompt_len + 1, prompt_len + new_tokens):  # tokens in the cache after the step
+        step_flops = sequences * 2 * (layers + head)
+        step_bytes = weight_bytes + sequences * context * kv_bytes_per_token
+        seconds += max(step_flops / rate, step_bytes / bandwidth)
+    return seconds
+
+
 def _limit_fields(
     engine: str,
     weights: dict[str, int],
@@ -672,6 +724,11 @@ def add_limit_fields(report: dict[str, Any], roofline: dict[str, Any]) -> None:
         row.update(
             _limit_fields(row["engine"], weights, roofline, row["tokens_per_s"], decode_batch1, flops_per_s)
         )
+        if not (row.get("sequential") and row["concurrency"] > 1):
+            bound = roofline_seconds(
+                row["engine"], weights, roofline, row["concurrency"], PROMPT_LEN, new_tokens
+            )
+            row["roofline_fraction"] = bound / row["median_s"]
     for row in report["prefill"]:
         weights = report["models"][row["model"]]
         flops_per_s = work_flops(weights, 1, row["prompt_len"], 1) / row["median_s"]
@@ -887,10 +944,22 @@ def format_table(report: dict[str, Any]) -> str:
             _percent(r.get("flop_fraction")),
             _percent(r.get("flop_fraction_best")),
             _percent(r.get("work_flop_fraction")),
+            _percent(r.get("roofline_fraction")),
         ]
         for r in report["results"]
     ]
-    header = ["model", "concurrency", "engine", "tok/s", vs, "bw%", "flop%", "flop%best", "flop%work"]
+    header = [
+        "model",
+        "concurrency",
+        "engine",
+        "tok/s",
+        vs,
+        "bw%",
+        "flop%",
+        "flop%best",
+        "flop%work",
+        "roof%",
+    ]
     rendered = _render(header, lines)
     checks = [
         f"{r['model']} {r['engine']}: {'match' if r['greedy_match'] else 'MISMATCH'}"

@@ -89,6 +89,8 @@ def test_tiny_run_reports_rows_ratios_and_table(
         assert row["total_tokens_per_s"] == pytest.approx(
             concurrency * (harness.PROMPT_LEN + 4) / row["median_s"]
         )
+        bound = harness.roofline_seconds(row["engine"], weights, roofline, concurrency, harness.PROMPT_LEN, 4)
+        assert row["roofline_fraction"] == pytest.approx(bound / row["median_s"])
         if concurrency == 1:
             assert row["bw_fraction"] == pytest.approx(
                 row["tokens_per_s"] * row["weight_bytes"] / (roofline["memory_read_gb_s"] * 1e9)
@@ -137,6 +139,7 @@ def test_tiny_run_reports_rows_ratios_and_table(
         "flop%",
         "flop%best",
         "flop%work",
+        "roof%",
     ]
     assert [row[1:3] for row in decode[2:]] == [
         ["1", "strata"],
@@ -253,6 +256,10 @@ def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pyte
     embedding = shape["vocab_size"] * shape["hidden_size"]
     matmul = _tiny_matmul_params(shape)
 
+    # A key and a value per layer and KV head, head_dim wide.
+    kv_values = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
+    kv_values *= shape["hidden_size"] // shape["num_attention_heads"]
+
     untied = harness.model_weights(harness.ensure_model_folder("tiny", tmp_path))
     assert untied == {
         "params": matmul + embedding,
@@ -260,6 +267,7 @@ def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pyte
         "matmul_params": matmul,
         "matmul_bytes": 4 * matmul,
         "head_params": embedding,
+        "kv_values_per_token": kv_values,
     }
     # A tied table is stored once and read per token as the head.
     tied = harness.model_weights(harness.ensure_model_folder("tiny-tied", tmp_path))
@@ -269,7 +277,39 @@ def test_model_weights_counts_params_and_bytes(tmp_path: Path, monkeypatch: pyte
         "matmul_params": matmul,
         "matmul_bytes": 4 * matmul,
         "head_params": embedding,
+        "kv_values_per_token": kv_values,
     }
+
+
+@pytest.mark.parametrize(
+    ("engine", "weight_bytes", "kv_bytes"), [("strata", 4, 4), ("strata-compiled-kv16", 4, 2)]
+)
+def test_roofline_seconds_meets_each_limit_alone_and_the_longer_of_both(
+    tmp_path: Path, engine: str, weight_bytes: int, kv_bytes: int
+) -> None:
+    """With memory far faster than the matmuls, the bound is the run's FLOPs (`work_flops`) at the matmul
+    rate; with matmuls far faster, every step's reads at the memory's rate: the weights once a step, and
+    each decode step every sequence's cache so far (an arithmetic series, summed here in closed form). With
+    both finite it is at least either and at most their sum."""
+    harness = load_benchmark("throughput")
+    weights = harness.model_weights(harness.ensure_model_folder("tiny", tmp_path))
+    sequences, prompt, new = 3, 7, 5
+    fast, slow = 1e12, 1.0  # GB/s or GFLOP/s
+
+    def bound(memory: float, matmul: float) -> float:
+        roofline = {"memory_read_gb_s": memory, "matmul_fp32_gflop_s": matmul, "matmul_bf16_gflop_s": fast}
+        return harness.roofline_seconds(engine, weights, roofline, sequences, prompt, new)
+
+    compute = harness.work_flops(weights, sequences, prompt, new) / 1e9
+    assert bound(fast, slow) == pytest.approx(compute)
+    contexts = sum(range(prompt + 1, prompt + new))  # tokens cached after each decode step
+    reads = (
+        new * weight_bytes * weights["matmul_params"]
+        + sequences * contexts * kv_bytes * weights["kv_values_per_token"]
+    )
+    assert bound(slow, fast) == pytest.approx(reads / 1e9)
+    both = bound(slow, slow)
+    assert max(compute, reads / 1e9) * (1 - 1e-9) <= both <= (compute + reads / 1e9) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("tied", [False, True])
