@@ -23,10 +23,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 
 #include "float_math.h"
 #include "float_tiles.h"
+#include "huge_pages.h"
 
 #include <algorithm>
 #include <atomic>
@@ -83,11 +83,13 @@ inline float bfloat16_value(uint16_t bits) {
   return v;
 }
 
-// weight [N, K] float32, contiguous, as bf16x3 items: a 1-D bfloat16 tensor (items x padded K / 32 x 2048).
+// weight [N, K] float32, contiguous, as bf16x3 items: a 1-D bfloat16 tensor (items x padded K / 32 x 2048),
+// read whole every step, so advised for huge pages as the float32 panels are.
 inline at::Tensor pack_amx_panels(const at::Tensor& weight, bool glu) {
   const int64_t N = weight.size(0), K = weight.size(1), Kp = amx_padded_depth(K);
   const int64_t items = amx_item_count(N, glu), steps = Kp / kAmxDepth;
-  at::Tensor packed = at::empty({items * steps * kAmxStepElements}, weight.options().dtype(at::kBFloat16));
+  at::Tensor packed =
+      empty_huge_page_backed(items * steps * kAmxStepElements, weight.options().dtype(at::kBFloat16));
   const float* w = weight.data_ptr<float>();
   uint16_t* p = reinterpret_cast<uint16_t*>(packed.data_ptr());
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
