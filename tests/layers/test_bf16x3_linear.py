@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from strata import LLM, SamplingParams, envs
 from strata.config import ConfigError, LayerConfig
+from strata.custom_op import describe_layers
 from strata.entrypoints.layers_cli import add_layer_arguments, layer_config_kwargs
 from strata.layers import cpu_kernels
 
@@ -187,18 +188,25 @@ def test_an_engine_built_at_high_precision_generates_like_the_float32_one(
     tiny_model_dir: Callable[[str], Path],
 ) -> None:
     """`LLM(fp32_matmul_precision="high")` packs bf16x3 copies (and "highest" float32 ones) without touching
-    torch's own setting, and its greedy tokens and their logprobs over a batch of 4 prompts (prefill and
+    torch's own setting, its layer report says so, and its greedy tokens and their logprobs over a batch of 4 prompts (prefill and
     4-row decode steps read the copies) follow the float32 engine's."""
     _require_amx()
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24 + i)]} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True)
-    outputs, dtypes = {}, {}
+    outputs, dtypes, forwards = {}, {}, {}
     for precision in ("highest", "high"):
         llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, fp32_matmul_precision=precision)
         assert torch.get_float32_matmul_precision() == "highest"
         dtypes[precision] = llm.apply_model(_packed_dtypes)
+        forwards[precision] = {row["forward"] for row in llm.apply_model(describe_layers)}
         outputs[precision] = [out.outputs[0] for out in llm.generate(prompts, params, use_tqdm=False)]
     assert dtypes == {"highest": {torch.float32}, "high": {torch.bfloat16}}
+    # The layer report says which linears read bf16x3 copies.
+    assert not any("bf16x3" in forward for forward in forwards["highest"])
+    assert {
+        "forward_cpu (bf16x3 from 4 rows)",
+        "forward (strata_cpu::linear_glu, silu, bf16x3 from 4 rows)",
+    } <= (forwards["high"])
     for exact, high in zip(outputs["highest"], outputs["high"], strict=True):
         assert exact.token_ids == high.token_ids
         for token, a, b in zip(exact.token_ids, exact.logprobs, high.logprobs, strict=True):

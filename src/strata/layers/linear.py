@@ -65,6 +65,12 @@ def prepacked_copy(
     return None if packed is None else ProcessLocalValue(packed)
 
 
+def is_bf16x3_copy(weight: torch.Tensor, copy: ProcessLocalValue[torch.Tensor] | None) -> bool:
+    """Whether `copy` holds float32 `weight` as bf16x3 items (packed at "high" precision on AMX CPUs), the
+    form whose packed tensor is bfloat16."""
+    return copy is not None and weight.dtype == torch.float32 and copy.value.dtype == torch.bfloat16
+
+
 _warned_memory_short = False
 
 
@@ -112,6 +118,10 @@ class Linear(LinearBase):
             self._packed_weight = prepacked_copy(
                 self.weight, fp32_matmul_precision=self.fp32_matmul_precision
             )
+            if is_bf16x3_copy(self.weight, self._packed_weight):
+                self.forward_method_name = (
+                    f"{self.forward_method_name} (bf16x3 from 4 rows)"  # what reports show
+                )
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

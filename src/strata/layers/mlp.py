@@ -7,7 +7,7 @@ from torch import nn
 
 from strata.custom_op import PluggableLayer
 from strata.layers.activation import GeluAndMul, SiluAndMul
-from strata.layers.linear import Linear, prepacked_copy
+from strata.layers.linear import Linear, is_bf16x3_copy, prepacked_copy
 from strata.process_local import ProcessLocalValue
 
 
@@ -65,7 +65,10 @@ class GluMLP(PluggableLayer):
         self._glu_panels = prepacked_copy(gate_up.weight, activation, gate_up.fp32_matmul_precision)
         if self._glu_panels is not None:
             self.fused_activation = activation
-            self.forward_method_name = f"forward (strata_cpu::linear_glu, {activation})"  # what reports show
+            bf16x3 = ", bf16x3 from 4 rows" if is_bf16x3_copy(gate_up.weight, self._glu_panels) else ""
+            self.forward_method_name = (
+                f"forward (strata_cpu::linear_glu, {activation}{bf16x3})"  # what reports show
+            )
             gate_up.prepack, gate_up._packed_weight = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
