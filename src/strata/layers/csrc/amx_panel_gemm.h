@@ -27,9 +27,9 @@
 #include "float_math.h"
 #include "float_tiles.h"
 #include "huge_pages.h"
+#include "panel_gemm.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -171,10 +171,29 @@ struct AmxStream {
 
 constexpr int64_t kAmxStepBytes = kAmxStepElements * 2;
 
+// Tiles 6 and 7: the item's two column tiles from `b` (the hi or the lo blocks, side by side).
+inline void amx_load_weight(const uint16_t* b) {
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b + kAmxBlockElements, 64);
+}
+
+// Tiles 4 (and 5): ROW_TILES tiles of x's rows from `a` (`ld` apart), multiplied into the sums of both
+// column tiles: tiles 0 and 2 for the first row tile, 1 and 3 for the second.
+template <int ROW_TILES>
+inline void amx_multiply(const uint16_t* a, int64_t ld) {
+  _tile_loadd(4, a, ld * 2);
+  if constexpr (ROW_TILES == 2) _tile_loadd(5, a + 16 * ld, ld * 2);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(2, 4, 7);
+  if constexpr (ROW_TILES == 2) {
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 template <int ROW_TILES>
 inline void amx_item_block(const uint16_t* hi, const uint16_t* lo, int64_t ld, const uint16_t* item, int64_t steps,
                            float* c, const AmxStream* stream) {
-  const int64_t stride = ld * 2;
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (ROW_TILES == 2) {
@@ -194,34 +213,11 @@ inline void amx_item_block(const uint16_t* hi, const uint16_t* lo, int64_t ld, c
     const uint16_t* a_hi = hi + s * kAmxDepth;
     const uint16_t* a_lo = lo + s * kAmxDepth;
     // hi x hi and lo x hi of the weight's hi tiles, then hi x lo.
-    _tile_loadd(6, b, 64);
-    _tile_loadd(7, b + kAmxBlockElements, 64);
-    _tile_loadd(4, a_hi, stride);
-    if constexpr (ROW_TILES == 2) _tile_loadd(5, a_hi + 16 * ld, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    if constexpr (ROW_TILES == 2) {
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(4, a_lo, stride);
-    if constexpr (ROW_TILES == 2) _tile_loadd(5, a_lo + 16 * ld, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    if constexpr (ROW_TILES == 2) {
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_loadd(6, b + 2 * kAmxBlockElements, 64);
-    _tile_loadd(7, b + 3 * kAmxBlockElements, 64);
-    _tile_loadd(4, a_hi, stride);
-    if constexpr (ROW_TILES == 2) _tile_loadd(5, a_hi + 16 * ld, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 4, 7);
-    if constexpr (ROW_TILES == 2) {
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    amx_load_weight(b);
+    amx_multiply<ROW_TILES>(a_hi, ld);
+    amx_multiply<ROW_TILES>(a_lo, ld);
+    amx_load_weight(b + 2 * kAmxBlockElements);
+    amx_multiply<ROW_TILES>(a_hi, ld);
   }
   constexpr int64_t kTileFloats = 16 * 16;
   _tile_stored(0, c, 64);
@@ -234,13 +230,8 @@ inline void amx_item_block(const uint16_t* hi, const uint16_t* lo, int64_t ld, c
 
 #endif  // STRATA_AMX
 
-// One packed weight of an `amx_panel_gemm` call: its outputs go to columns [column, column + outputs).
-struct AmxPanelWeight {
-  const uint16_t* items;
-  const float* bias;  // [N] or null
-  int64_t N;
-  int64_t column;
-};
+// One weight of an `amx_panel_gemm` call: its items (bfloat16 bits).
+using AmxPanelWeight = PackedWeightView<uint16_t>;
 
 // How far ahead of its reads a thread asks for the weight stream (into L2). In a standalone loop of
 // SmolLM-135M's 30 layers and head at 32 rows (Intel Xeon model 207, a noisy machine) 4 KB and 16 KB were
@@ -248,7 +239,7 @@ struct AmxPanelWeight {
 constexpr int64_t kAmxPrefetchBytes = 8192;
 
 // out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight, in one
-// parallel region, the threads claiming items one at a time as `panel_gemm` does. With a GATE, each weight
+// parallel region, the threads claiming items one at a time (`claim_items`). With a GATE, each weight
 // is a GLU MLP's [gate; up] packed as such and gives N / 2 values act(gate) * up.
 template <GateActivation GATE = GateActivation::kNone>
 inline void amx_panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<AmxPanelWeight>& weights,
@@ -268,17 +259,16 @@ inline void amx_panel_gemm(const float* x, int64_t M, int64_t K, const std::vect
     const size_t i = std::upper_bound(first_item.begin(), first_item.end(), g) - first_item.begin() - 1;
     return std::pair{i, g - first_item[i]};
   };
-  std::atomic<int64_t> unclaimed{0};
   const auto compute_item = [&](int64_t item, int64_t following) {
     const auto [i, g] = locate(item);
     const AmxPanelWeight& w = weights[i];
-    const uint16_t* panel = w.items + g * steps * kAmxStepElements;
+    const uint16_t* panel = w.data + g * steps * kAmxStepElements;
     // The stream runs kAmxPrefetchBytes ahead of the reads, on into the item this thread takes next.
     AmxStream stream{reinterpret_cast<const char*>(panel) + kAmxPrefetchBytes,
                      std::max<int64_t>(0, (item_bytes - kAmxPrefetchBytes) / kAmxStepBytes), nullptr};
     if (following < items) {
       const auto [j, h] = locate(following);
-      stream.next = reinterpret_cast<const char*>(weights[j].items + h * steps * kAmxStepElements) +
+      stream.next = reinterpret_cast<const char*>(weights[j].data + h * steps * kAmxStepElements) +
                     std::max<int64_t>(0, kAmxPrefetchBytes - item_bytes);
     }
     alignas(64) float c[2][2][16][16];  // [row tile][column tile]
@@ -315,13 +305,9 @@ inline void amx_panel_gemm(const float* x, int64_t M, int64_t K, const std::vect
       }
     }
   };
-  at::parallel_for(0, items, grain, [&](int64_t, int64_t) {
+  claim_items(items, grain, items, compute_item, [](const auto& claim) {
     amx_configure_tiles();
-    for (int64_t item = unclaimed.fetch_add(1); item < items;) {
-      const int64_t following = unclaimed.fetch_add(1);
-      compute_item(item, following);
-      item = following;
-    }
+    claim();
     _tile_release();
   });
 #else

@@ -241,13 +241,16 @@ inline void panel_block_any(int64_t width, int rows, const float* x, int64_t ldx
 
 static_assert(kPanelRows == 8 && kPanelTiles == 3, "panel_block_rows and panel_block_any dispatch on these");
 
-// One packed weight of a `panel_gemm` call: its outputs go to columns [column, column + N) of out.
-struct PanelWeight {
-  const float* panels;
+// One packed weight of a GEMM call (T: the packed elements): its outputs go to columns [column, column + N)
+// of out (N / 2 of them for a GLU's [gate; up]).
+template <typename T>
+struct PackedWeightView {
+  const T* data;
   const float* bias;  // [N] or null
   int64_t N;
   int64_t column;
 };
+using PanelWeight = PackedWeightView<float>;
 
 // The row blocks after a panel's first that prefetch the stretch of panel this thread reads next (the next
 // part of the depth, the next panel, or the first one again for the next chunk of rows), a third each, one
@@ -261,6 +264,27 @@ struct PanelWeight {
 // than 4 blocks (fewer than 25 rows) they come 2-3 a k: 0.7-0.9x at 9-16 rows, 0.94-1.03x at 24.
 constexpr int64_t kPrefetchingBlocks = 3;
 constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
+
+// compute_item(item, following) for every item in [0, items), on as many of ATen's threads as give each
+// `grain` of `range`: each thread claims items one at a time from a shared counter, one item ahead (the
+// `following` one, whose weights it prefetches), so that a thread slowed by a neighbour takes fewer.
+// `on_thread(claim)` runs a thread's claims (`claim()`) with whatever the thread sets up around them. Every
+// call of the region claims until none are left, whatever range ATen hands it (a call after another, on
+// the same thread, finds none).
+template <typename Compute, typename OnThread>
+inline void claim_items(int64_t range, int64_t grain, int64_t items, const Compute& compute_item,
+                        const OnThread& on_thread) {
+  std::atomic<int64_t> unclaimed{0};
+  at::parallel_for(0, range, grain, [&](int64_t, int64_t) {
+    on_thread([&] {
+      for (int64_t item = unclaimed.fetch_add(1); item < items;) {
+        const int64_t following = unclaimed.fetch_add(1);
+        compute_item(item, following);
+        item = following;
+      }
+    });
+  });
+}
 
 // out (rows `ldo` apart) = x [M, K] (contiguous, M and K at least 1) times each packed weight: one parallel
 // region for all of them (a layer's q, k and v projections in one call), on as many of ATen's threads as
@@ -291,7 +315,6 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
   // counter, each one item ahead (the item after the one it computes, whose panel it prefetches).
   const int64_t panels = first_panel.back();
   const int64_t items = (M + chunk_rows - 1) / chunk_rows * panels;
-  std::atomic<int64_t> unclaimed{0};
   const auto compute_item = [&](int64_t item, int64_t following) {
     const int64_t m0 = item / panels * chunk_rows, m1 = std::min(M, m0 + chunk_rows);
     const int64_t blocks = (m1 - m0 + kPanelRows - 1) / kPanelRows;
@@ -302,7 +325,7 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
     float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
     for (int64_t k0 = 0; k0 < K; k0 += depth) {
       const int64_t part = std::min(depth, K - k0);
-      const float* panel = w.panels + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
+      const float* panel = w.data + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
       // What this thread reads after this part of the panel (a tile is one cache line a k).
       const float* next = nullptr;
       int64_t next_lines = 0;
@@ -312,7 +335,7 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
           next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
         } else if (following < items) {
           const auto [j, next_n0, next_columns] = locate(following % panels);
-          next = weights[j].panels + next_n0 * K;
+          next = weights[j].data + next_n0 * K;
           next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
         }
       }
@@ -331,15 +354,8 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
       }
     }
   };
-  // ATen picks the threads for `grain` panels each; each call claims items until none are left, whatever
-  // range ATen hands it (a call after another, on the same thread, finds none).
-  at::parallel_for(0, panels, grain, [&](int64_t, int64_t) {
-    for (int64_t item = unclaimed.fetch_add(1); item < items;) {
-      const int64_t following = unclaimed.fetch_add(1);
-      compute_item(item, following);
-      item = following;
-    }
-  });
+  // ATen picks the threads for `grain` panels each.
+  claim_items(panels, grain, items, compute_item, [](const auto& claim) { claim(); });
 }
 
 }  // namespace strata_kernels
