@@ -70,11 +70,11 @@ def _require_amx() -> None:
 @pytest.mark.parametrize(
     ("out_features", "in_features", "rows"),
     [
-        (130, 96, 4),  # the fewest rows that read the bf16x3 copy; K padded from 96 to... 96, N to 160
+        (130, 96, 4),  # the fewest rows that read the bf16x3 copy; N padded to 160 (5 items), K whole steps
         (37, 5, 16),  # one row tile; K padded to 32 with zeros
         (33, 31, 17),  # a second row tile of one row; an item of a single column
-        (960, 576, 32),  # SmolLM-135M's q/k/v: two full row tiles, 30 items over the threads
-        (576, 1536, 33),  # a second 32-row block of one row, found in L2
+        (960, 576, 32),  # SmolLM-135M's q/k/v: two row tiles, 30 items over the threads
+        (576, 1536, 33),  # a third row tile of one row; the later tiles find the item in L2
         (97, 2500, 130),  # deeper than the float32 panels' one pass
     ],
 )

@@ -159,10 +159,16 @@ inline void split_rows(const float* x, int64_t M, int64_t K, int64_t Mp, int64_t
   });
 }
 
-// The sums of one item for 16 (ROW_TILES 1) or 32 rows of x into c[row tile][column tile][16][16], over the
-// padded depth. hi and lo point at the block's first row, `ld` bfloat16 apart. The three products go to four
-// accumulator tiles (two for one row tile), so consecutive multiplies rarely wait for each other's sums.
-// With a `stream`, each 32 of K also requests the next stretch of it into L2.
+// The sums of one item for 16 rows of x into c[column tile][16][16], over the padded depth. hi and lo point
+// at the tile's first row, `ld` bfloat16 apart. With a `stream`, each 32 of K also requests the next
+// stretch of it into L2.
+// One row tile a pass, 32 rows in two passes over the item (the second finds it in L2). Against both row
+// tiles in one pass (four sums, twice the multiplies per weight tile loaded), kernel_ab at 32 rows read
+// 1.234, 1.248, 1.077, 1.207 and 1.192x in runs where a neighbour shared the cores' tile units (the old
+// kernel's pass took 43-62 ms), and 0.968 and 0.940x in two where none did (31-33 ms); 1.004-1.047x at 128
+// rows, 0.99x at 8 (Intel Xeon model 207, SmolLM-135M's layers and head from memory). Here the tile units
+// were shared in most runs. All eight tiles in one pass (both weight halves loaded once a step, no reloads)
+// was slower again: 0.85-0.93x.
 struct AmxStream {
   const char* here;       // where step 0's stretch starts (inside this item)
   int64_t switch_step;    // the first step whose stretch lies in the next item
@@ -177,29 +183,17 @@ inline void amx_load_weight(const uint16_t* b) {
   _tile_loadd(7, b + kAmxBlockElements, 64);
 }
 
-// Tiles 4 (and 5): ROW_TILES tiles of x's rows from `a` (`ld` apart), multiplied into the sums of both
-// column tiles: tiles 0 and 2 for the first row tile, 1 and 3 for the second.
-template <int ROW_TILES>
+// Tile 4: 16 rows of x from `a` (`ld` apart), multiplied into the sums of both column tiles (tiles 0 and 2).
 inline void amx_multiply(const uint16_t* a, int64_t ld) {
   _tile_loadd(4, a, ld * 2);
-  if constexpr (ROW_TILES == 2) _tile_loadd(5, a + 16 * ld, ld * 2);
   _tile_dpbf16ps(0, 4, 6);
   _tile_dpbf16ps(2, 4, 7);
-  if constexpr (ROW_TILES == 2) {
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
 }
 
-template <int ROW_TILES>
 inline void amx_item_block(const uint16_t* hi, const uint16_t* lo, int64_t ld, const uint16_t* item, int64_t steps,
                            float* c, const AmxStream* stream) {
   _tile_zero(0);
   _tile_zero(2);
-  if constexpr (ROW_TILES == 2) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
   for (int64_t s = 0; s < steps; ++s) {
     const uint16_t* b = item + s * kAmxStepElements;
     if (stream) {
@@ -214,18 +208,13 @@ inline void amx_item_block(const uint16_t* hi, const uint16_t* lo, int64_t ld, c
     const uint16_t* a_lo = lo + s * kAmxDepth;
     // hi x hi and lo x hi of the weight's hi tiles, then hi x lo.
     amx_load_weight(b);
-    amx_multiply<ROW_TILES>(a_hi, ld);
-    amx_multiply<ROW_TILES>(a_lo, ld);
+    amx_multiply(a_hi, ld);
+    amx_multiply(a_lo, ld);
     amx_load_weight(b + 2 * kAmxBlockElements);
-    amx_multiply<ROW_TILES>(a_hi, ld);
+    amx_multiply(a_hi, ld);
   }
-  constexpr int64_t kTileFloats = 16 * 16;
   _tile_stored(0, c, 64);
-  _tile_stored(2, c + kTileFloats, 64);
-  if constexpr (ROW_TILES == 2) {
-    _tile_stored(1, c + 2 * kTileFloats, 64);
-    _tile_stored(3, c + 3 * kTileFloats, 64);
-  }
+  _tile_stored(2, c + 16 * 16, 64);
 }
 
 #endif  // STRATA_AMX
@@ -271,35 +260,31 @@ inline void amx_panel_gemm(const float* x, int64_t M, int64_t K, const std::vect
       stream.next = reinterpret_cast<const char*>(weights[j].data + h * steps * kAmxStepElements) +
                     std::max<int64_t>(0, kAmxPrefetchBytes - item_bytes);
     }
-    alignas(64) float c[2][2][16][16];  // [row tile][column tile]
+    alignas(64) float c[2][16][16];  // [column tile]
     const int64_t n0 = g * (kGlu ? kAmxTileColumns : kAmxItemColumns);
     const int64_t columns = std::min(kGlu ? kAmxTileColumns : kAmxItemColumns, (kGlu ? w.N / 2 : w.N) - n0);
     float* o = out + w.column + n0;
-    for (int64_t r = 0; r < Mp; r += 32) {
-      const AmxStream* ahead = r == 0 ? &stream : nullptr;  // later row blocks find the item in L2
-      const int row_tiles = Mp - r >= 32 ? 2 : 1;
-      if (row_tiles == 2) amx_item_block<2>(hi + r * Kp, lo + r * Kp, Kp, panel, steps, c[0][0][0], ahead);
-      else amx_item_block<1>(hi + r * Kp, lo + r * Kp, Kp, panel, steps, c[0][0][0], ahead);
-      for (int t = 0; t < row_tiles; ++t) {
-        for (int64_t m = r + 16 * t, row = 0; m < std::min(M, r + 16 * t + 16); ++m, ++row) {
-          float* orow = o + m * ldo;
-          if constexpr (kGlu) {
-            NativeTile gate, up;
-            std::memcpy(&gate, c[t][0][row], sizeof(gate));
-            std::memcpy(&up, c[t][1][row], sizeof(up));
-            static_assert(kNativeLanes == kAmxTileColumns, "an AMX build has AVX-512 registers");
-            const NativeTile v = gate_activation<GATE>(gate) * up;
-            std::memcpy(orow, &v, columns * sizeof(float));
-          } else {
-            for (int u = 0; u < 2; ++u) {
-              const int64_t n = std::min<int64_t>(kAmxTileColumns, columns - u * kAmxTileColumns);
-              if (n <= 0) break;
-              NativeTile v, b = {};
-              std::memcpy(&v, c[t][u][row], sizeof(v));
-              if (w.bias) std::memcpy(&b, w.bias + n0 + u * kAmxTileColumns, n * sizeof(float));
-              v += b;
-              std::memcpy(orow + u * kAmxTileColumns, &v, n * sizeof(float));
-            }
+    for (int64_t r = 0; r < Mp; r += 16) {
+      // The first row tile streams the next stretch in; the others find this item in L2.
+      amx_item_block(hi + r * Kp, lo + r * Kp, Kp, panel, steps, c[0][0], r == 0 ? &stream : nullptr);
+      for (int64_t m = r, row = 0; m < std::min(M, r + 16); ++m, ++row) {
+        float* orow = o + m * ldo;
+        if constexpr (kGlu) {
+          NativeTile gate, up;
+          std::memcpy(&gate, c[0][row], sizeof(gate));
+          std::memcpy(&up, c[1][row], sizeof(up));
+          static_assert(kNativeLanes == kAmxTileColumns, "an AMX build has AVX-512 registers");
+          const NativeTile v = gate_activation<GATE>(gate) * up;
+          std::memcpy(orow, &v, columns * sizeof(float));
+        } else {
+          for (int u = 0; u < 2; ++u) {
+            const int64_t n = std::min<int64_t>(kAmxTileColumns, columns - u * kAmxTileColumns);
+            if (n <= 0) break;
+            NativeTile v, b = {};
+            std::memcpy(&v, c[u][row], sizeof(v));
+            if (w.bias) std::memcpy(&b, w.bias + n0 + u * kAmxTileColumns, n * sizeof(float));
+            v += b;
+            std::memcpy(orow + u * kAmxTileColumns, &v, n * sizeof(float));
           }
         }
       }
