@@ -6,9 +6,10 @@
 //
 // Why: at 32 rows of x a float32 weight byte carries 16 FLOPs, which on AVX-512 FMAs puts a decode batch at
 // the ridge of the roofline, where one core's weight stream and its FMAs overlap only in part (the float32
-// panels reach 50-60% of both limits; Intel Xeon model 207). The AMX tiles do the three bfloat16 products
-// about five times as fast as the FMAs do one float32 product, so the GEMM is left bound by the weight
-// stream alone. The weights take the same 4 bytes each (hi and lo).
+// panels reach 50-60% of both limits; Intel Xeon model 207). On a quiet core the AMX tiles do the three
+// bfloat16 products about five times as fast as the FMAs do one float32 product (16 cycles a tile multiply;
+// 24-65 on that VM while another tenant shared the core's tile unit), which leaves the GEMM mostly waiting
+// on its weight stream. The weights take the same 4 bytes each (hi and lo).
 //
 // Layout. The weight is packed in items of two 16-column tiles: columns [32 g, 32 g + 32) of a plain weight,
 // or, for a GLU MLP's [gate; up], the gate rows [16 g, 16 g + 16) and the up rows of the same outputs. Per
