@@ -38,9 +38,9 @@ the other read 207), recorded in the JSON `machine` section (`roofline`; both me
   prompts. Decode rows also give `total_tokens_per_s` (prompt and output tokens per second).
 - `roof%` (`roofline_fraction`), decode rows (not those of an engine that takes a batch's prompts one after
   another): the least time the run could take at both limits at once (`roofline_seconds`: each step the
-  longer of reading its weights and KV cache and doing its FLOPs, perfectly overlapped) over its median time. `flop%` and `bw%` each hold a row to one
-  limit; where a batch's steps need about as long for their reads as for their FLOPs (the ridge), neither
-  can come near 100%, and `roof%` says how much is really left.
+  longer of reading its weights and KV cache and doing its FLOPs, perfectly overlapped) over its median
+  time. `flop%` and `bw%` each hold a row to one limit; where a batch's steps need about as long for their
+  reads as for their FLOPs (the ridge), neither can come near 100%, and `roof%` says how much is really left.
 
 Prefill. `--prefill-len N` (default 512; 0 turns it off) times, for each engine, one prompt of N random ids
 that produces a single token: the time is the prompt's forward pass. Engines for it are built again with
@@ -640,6 +640,11 @@ def work_flops(weights: dict[str, int], sequences: int, prompt_len: int, new_tok
     return sequences * 2 * (layers * (prompt_len + new_tokens - 1) + head * new_tokens)
 
 
+def engine_weight_bytes(engine: str, weights: dict[str, int]) -> float:
+    """What one decode step of `engine` reads of the matmul weights, at its weight precision."""
+    return weights["matmul_params"] * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
+
+
 def roofline_seconds(
     engine: str,
     weights: dict[str, int],
@@ -658,7 +663,7 @@ def roofline_seconds(
     rate, bandwidth = roofline[rate_key] * 1e9, roofline["memory_read_gb_s"] * 1e9
     head = weights["head_params"]
     layers = weights["matmul_params"] - head
-    weight_bytes = weights["matmul_params"] * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
+    weight_bytes = engine_weight_bytes(engine, weights)
     kv_bytes_per_token = weights["kv_values_per_token"] * ENGINE_KV_BYTES.get(engine, 4.0)
     seconds = max(sequences * 2 * (layers * prompt_len + head) / rate, weight_bytes / bandwidth)
     for context in range(prompt_len + 1, prompt_len + new_tokens):  # tokens in the cache after the step
@@ -679,7 +684,7 @@ def _limit_fields(
     """params, weight_bytes and the fractions of the bandwidth (batch-1 decode only) and compute limits, for
     a row of `tokens_per_s` output tokens whose run did `flops_per_s` matmul FLOPs in all (`work_flops`)."""
     params = weights["matmul_params"]
-    weight_bytes = params * ENGINE_WEIGHT_BYTES.get(engine, 4.0)
+    weight_bytes = engine_weight_bytes(engine, weights)
     bandwidth = roofline["memory_read_gb_s"] * 1e9
     return {
         "params": params,

@@ -49,8 +49,12 @@ constexpr int64_t kAmxItemColumns = 2 * kAmxTileColumns;
 constexpr int64_t kAmxDepth = 32;                         // K per tile multiply (16 pairs)
 constexpr int64_t kAmxBlockElements = 16 * kAmxDepth;      // one 1 KB tile of bfloat16
 constexpr int64_t kAmxStepElements = 4 * kAmxBlockElements;  // an item's hi and lo tiles for 32 of K
+constexpr int64_t kAmxStepBytes = kAmxStepElements * 2;
 
 inline int64_t amx_padded_depth(int64_t K) { return (K + kAmxDepth - 1) / kAmxDepth * kAmxDepth; }
+
+// Bytes of one item of a weight with K inputs: its hi and lo tiles for each 32 of the padded depth.
+inline int64_t amx_item_bytes(int64_t K) { return amx_padded_depth(K) / kAmxDepth * kAmxStepBytes; }
 
 // Items of a weight with N rows (a GLU's 2I rows give I outputs, 16 an item).
 inline int64_t amx_item_count(int64_t N, bool glu) {
@@ -176,8 +180,6 @@ struct AmxStream {
   const char* next;       // the item this thread takes next, or null
 };
 
-constexpr int64_t kAmxStepBytes = kAmxStepElements * 2;
-
 // Tiles 6 and 7: the item's two column tiles from `b` (the hi or the lo blocks, side by side).
 inline void amx_load_weight(const uint16_t* b) {
   _tile_loadd(6, b, 64);
@@ -237,27 +239,22 @@ inline void amx_panel_gemm(const float* x, int64_t M, int64_t K, const std::vect
 #ifdef STRATA_AMX
   constexpr bool kGlu = GATE != GateActivation::kNone;
   const int64_t Kp = amx_padded_depth(K), Mp = (M + 15) / 16 * 16, steps = Kp / kAmxDepth;
-  const int64_t item_bytes = steps * kAmxStepElements * 2;
+  const int64_t item_bytes = amx_item_bytes(K);
   at::Tensor split = at::empty({2, Mp, Kp}, at::TensorOptions().dtype(at::kBFloat16));
   uint16_t* hi = reinterpret_cast<uint16_t*>(split.data_ptr());
   uint16_t* lo = hi + Mp * Kp;
   split_rows(x, M, K, Mp, Kp, hi, lo);
-  std::vector<int64_t> first_item{0};  // weight i owns items [first_item[i], first_item[i + 1])
-  for (const auto& w : weights) first_item.push_back(first_item.back() + amx_item_count(w.N, kGlu));
-  const int64_t items = first_item.back();
-  const auto locate = [&](int64_t g) {
-    const size_t i = std::upper_bound(first_item.begin(), first_item.end(), g) - first_item.begin() - 1;
-    return std::pair{i, g - first_item[i]};
-  };
+  const WeightParts owners(weights, [](const AmxPanelWeight& w) { return amx_item_count(w.N, kGlu); });
+  const int64_t items = owners.total();
   const auto compute_item = [&](int64_t item, int64_t following) {
-    const auto [i, g] = locate(item);
+    const auto [i, g] = owners.locate(item);
     const AmxPanelWeight& w = weights[i];
     const uint16_t* panel = w.data + g * steps * kAmxStepElements;
     // The stream runs kAmxPrefetchBytes ahead of the reads, on into the item this thread takes next.
     AmxStream stream{reinterpret_cast<const char*>(panel) + kAmxPrefetchBytes,
                      std::max<int64_t>(0, (item_bytes - kAmxPrefetchBytes) / kAmxStepBytes), nullptr};
     if (following < items) {
-      const auto [j, h] = locate(following);
+      const auto [j, h] = owners.locate(following);
       stream.next = reinterpret_cast<const char*>(weights[j].data + h * steps * kAmxStepElements) +
                     std::max<int64_t>(0, kAmxPrefetchBytes - item_bytes);
     }

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace strata_kernels {
@@ -265,6 +266,27 @@ using PanelWeight = PackedWeightView<float>;
 constexpr int64_t kPrefetchingBlocks = 3;
 constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
 
+// The parts (panels, or bf16x3 items) of a GEMM call's weights, numbered weight after weight: weight i owns
+// parts [first[i], first[i + 1]).
+class WeightParts {
+ public:
+  template <typename Weights, typename Count>
+  WeightParts(const Weights& weights, const Count& parts_of) {
+    for (const auto& w : weights) first_.push_back(first_.back() + parts_of(w));
+  }
+
+  int64_t total() const { return first_.back(); }
+
+  // Part g's weight and its index among that weight's parts.
+  std::pair<size_t, int64_t> locate(int64_t g) const {
+    const size_t i = std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1;
+    return {i, g - first_[i]};
+  }
+
+ private:
+  std::vector<int64_t> first_{0};
+};
+
 // compute_item(item, following) for every item in [0, items), on as many of ATen's threads as give each
 // `grain` of `range`: each thread claims items one at a time from a shared counter, one item ahead (the
 // `following` one, whose weights it prefetches), so that a thread slowed by a neighbour takes fewer.
@@ -300,20 +322,19 @@ inline void claim_items(int64_t range, int64_t grain, int64_t items, const Compu
 template <GateActivation GATE = GateActivation::kNone>
 inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<PanelWeight>& weights, float* out,
                        int64_t ldo, int64_t grain) {
-  std::vector<int64_t> first_panel{0};  // weight i owns panels [first_panel[i], first_panel[i + 1])
-  for (const auto& w : weights) first_panel.push_back(first_panel.back() + panel_count(w.N));
+  const WeightParts owners(weights, [](const PanelWeight& w) { return panel_count(w.N); });
   TORCH_CHECK(GATE == GateActivation::kNone || K <= kMaxDepth, "panel_gemm: a gated GEMM takes its whole depth");
   const int64_t depth = K <= kMaxDepth ? K : kDepthPart;
   const int64_t chunk_rows = std::max<int64_t>(kPanelRows, kChunkBytes / (depth * 4) / kPanelRows * kPanelRows);
   // Panel g's weight, its first column and how many of the weight's columns it holds.
   auto locate = [&](int64_t g) {
-    const size_t i = std::upper_bound(first_panel.begin(), first_panel.end(), g) - first_panel.begin() - 1;
-    const int64_t n0 = (g - first_panel[i]) * kPanelColumns;
+    const auto [i, panel] = owners.locate(g);
+    const int64_t n0 = panel * kPanelColumns;
     return std::tuple{i, n0, std::min(kPanelColumns, weights[i].N - n0)};
   };
   // Work items are (chunk of rows, panel) pairs, chunk by chunk. Threads claim them in turn from a shared
   // counter, each one item ahead (the item after the one it computes, whose panel it prefetches).
-  const int64_t panels = first_panel.back();
+  const int64_t panels = owners.total();
   const int64_t items = (M + chunk_rows - 1) / chunk_rows * panels;
   const auto compute_item = [&](int64_t item, int64_t following) {
     const int64_t m0 = item / panels * chunk_rows, m1 = std::min(M, m0 + chunk_rows);

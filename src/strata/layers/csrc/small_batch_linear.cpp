@@ -482,9 +482,8 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
   }
   at::Tensor out = at::empty({M, columns}, x.options());
   if (bf16x3) {
-    const int64_t item_bytes = strata_kernels::amx_padded_depth(K) * strata_kernels::kAmxItemColumns * 4;
     strata_kernels::amx_panel_gemm<GATE>(xc.data_ptr<float>(), M, K, amx_parts, out.data_ptr<float>(), columns,
-                                         thread_grain(item_bytes, M));
+                                         thread_grain(strata_kernels::amx_item_bytes(K), M));
   } else {
     strata_kernels::panel_gemm<GATE>(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
                                      thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
