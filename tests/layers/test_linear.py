@@ -460,7 +460,8 @@ def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weigh
         (130, 96, 9),  # one row block of 8 and one of 1; a last panel of 2 tiles, the last tile partial
         (1, 5, 16),  # a single output column, two full row blocks
         (48, 33, 23),  # exactly one panel; row blocks of 8, 8 and 7
-        (200, 96, 40),  # 5 row blocks: those after the first prefetch the next panel (the last one narrow)
+        (200, 96, 40),  # 5 row blocks over two depth slices (64 and 32), the last panel narrow
+        (160, 129, 24),  # three depth slices, the last one k deep, their sums carried between them
         (97, 2500, 130),  # deeper than one pass (parts of the depth) and more rows than one chunk of x
     ],
 )
@@ -491,8 +492,7 @@ def test_linear_group_of_packed_weights_for_wide_inputs_equals_one_linear_per_we
     """From 4 rows on, a group whose weights are all prepacked is one call over all their panels, each
     weight's columns exactly what `linear` gives it; a group with one weight not prepacked takes another
     path (the small-batch kernel up to 8 rows, `linear` per weight above), with the same results to float32
-    accuracy. At 40 rows (5 row blocks) the blocks after the first prefetch the next panel, which may be the
-    next weight's."""
+    accuracy. Each panel's last slice prefetches the next panel, which may be the next weight's."""
     generator = torch.Generator().manual_seed(6)
     weights = [torch.randn(n, 64, generator=generator) for n in (96, 17, 17, 300)]
     packed = [torch.ops.strata_cpu.prepack_linear_weight(w) for w in weights[:3]]
@@ -531,13 +531,16 @@ def _glu_reference(x: torch.Tensor, weight: torch.Tensor, activation: str) -> to
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(("intermediate", "in_features"), [(384, 96), (24, 64), (10, 16), (7, 3)])
+@pytest.mark.parametrize(
+    ("intermediate", "in_features"), [(384, 96), (24, 64), (10, 16), (7, 3), (40, 200)]
+)
 @pytest.mark.parametrize("packed", [True, False])
 def test_linear_glu_matches_the_activated_gate_times_up(
     activation: str, intermediate: int, in_features: int, packed: bool
 ) -> None:
     """Whole panels (384 = 16 panels of 24 pairs), one exact panel, and panels with fewer pairs than a tile;
-    row counts below, at and past the panels' 4-row threshold and the 8-row blocks."""
+    depths of one slice (64 and less) and of several (96, 200), the gate applied after the last; row counts
+    below, at and past the panels' 4-row threshold and the 8-row blocks."""
     assert cpu_kernels.load("small_batch_linear")
     weight = torch.randn(2 * intermediate, in_features, generator=torch.Generator().manual_seed(intermediate))
     weight /= in_features**0.5

@@ -6,12 +6,13 @@
 // micro-kernel keeps the sums of kPanelRows rows of x by the panel's columns in registers (8 x 3 tiles, 24 of
 // the 32 AVX-512 registers) and, per k, loads the panel's 3 tiles once and multiplies them by each row's
 // x[m, k]: 24 FMAs for 3 vector loads and 8 scalar broadcasts, and no horizontal sums. A thread reads a
-// panel from memory once per chunk of rows, and the other row blocks of the chunk find it in L2.
+// panel from memory once per chunk of rows, a slice of its depth at a time (`kSliceDepth`), and the other
+// row blocks of the chunk find each slice in L1.
 // Against oneDNN on its own prepacked layout (SmolLM-135M's 30 layers and head, weights read from memory,
 // 2 threads, Zen 4 EPYC, whose FMAs allow 117 GFLOP/s a thread): 1.4-1.5x at 9 rows, 1.2-1.3x at 32
 // (193-204 against 155-160 GFLOP/s), 1.1-1.2x at 64-128, 0.94-1.03x at 512-1024. With the weights in L3 it
-// runs at 97% of the FMAs' rate, from memory at 82-87%: the first row block of each panel waits for it
-// (`kPrefetchingBlocks` below). The next blocks' prefetches of the next panel gained 1.05-1.07x at 32 rows.
+// runs at 97% of the FMAs' rate, from memory at 82-87% (that was before the slices, which gained 1.06-1.6x
+// from memory on an Intel Xeon; Zen 4 not measured since).
 //
 // Only where a tile is one register (AVX-512): with AVX2's 16 registers of half a tile the same blocking
 // would spill, and no AVX2 machine was measured; `strata_cpu::linear` keeps oneDNN there.
@@ -106,35 +107,48 @@ inline FloatTile load_columns(const float* p, int64_t n) {
   return v;
 }
 
-// out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, of which the first
-// `columns` columns are stored (rows of out `ldo` apart): bias added where given, or, with `accumulate`,
-// the sums already in out (an earlier part of the depth) added instead. With a GATE, the panel holds gate
-// and up pairs (`panel_row`) and out gets act(gate) * up, `columns / 2` values a row (no bias, whole
-// depth). With PREFETCH, the first `prefetch.lines` cache lines from `prefetch.from` on (at most K) are
-// requested as well, one a k, into L2: against L1, 1.017-1.036x at 32 rows, 1.004-1.009x at 48-128
-// (SmolLM-135M's 30 layers from memory, both builds in one process, alternated; Intel Xeon model 207; Zen
-// 4 not compared). A prefetch never faults, so one past the end of the weight is harmless.
+// out[m, j] for MR rows of x (`ldx` apart) by one panel of TILES tiles over depth K, one slice of the
+// item's depth (`sums`), of which the first `columns` columns are stored (rows of out `ldo` apart): bias
+// added where given, or, with `accumulate`, the sums already in out (an earlier part of the depth) added
+// instead. With a GATE, the panel holds gate and up pairs (`panel_row`) and out gets act(gate) * up,
+// `columns / 2` values a row (no bias, whole depth). The first `prefetch.lines` cache lines from
+// `prefetch.from` on are requested as well, one a k (more where there are more lines than k's), into L2:
+// against L1, 1.017-1.036x at 32 rows, 1.004-1.009x at 48-128 (SmolLM-135M's 30 layers from memory, both
+// builds in one process, alternated; Intel Xeon model 207; Zen 4 not compared). A prefetch never faults,
+// so one past the end of the weight is harmless.
 struct Prefetch {
   const char* from;
   int64_t lines;
 };
 
-template <int MR, int TILES, bool PREFETCH, GateActivation GATE>
+// Where a row block's sums come from and go to, the item's depth taken in slices (`kSliceDepth`): `carry`
+// holds them between slices ([kPanelRows][kPanelTiles] tiles); the first slice starts them (zero, or out's
+// with `accumulate`), the last one finishes them (bias, gate, store).
+struct SliceSums {
+  FloatTile* carry;
+  bool first;
+  bool last;
+};
+
+template <int MR, int TILES, GateActivation GATE>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
-                        float* out, int64_t ldo, int64_t columns, bool accumulate, Prefetch prefetch) {
+                        float* out, int64_t ldo, int64_t columns, bool accumulate, Prefetch prefetch,
+                        SliceSums sums) {
   FloatTile acc[MR][TILES];
   STRATA_UNROLL
   for (int t = 0; t < TILES; ++t) {
     const int64_t n = std::min<int64_t>(kLanes, columns - t * kLanes);
     STRATA_UNROLL
     for (int m = 0; m < MR; ++m) {
-      acc[m][t] = accumulate && n > 0 ? load_columns(out + m * ldo + t * kLanes, n) : FloatTile{};
+      if (!sums.first) {
+        std::memcpy(&acc[m][t], sums.carry + m * kPanelTiles + t, sizeof(FloatTile));
+      } else {
+        acc[m][t] = accumulate && n > 0 ? load_columns(out + m * ldo + t * kLanes, n) : FloatTile{};
+      }
     }
   }
   for (int64_t k = 0; k < K; ++k) {
-    if constexpr (PREFETCH) {
-      if (k < prefetch.lines) __builtin_prefetch(prefetch.from + k * 64, 0, 2);
-    }
+    for (int64_t line = k; line < prefetch.lines; line += K) __builtin_prefetch(prefetch.from + line * 64, 0, 2);
     FloatTile w[TILES];
     STRATA_UNROLL
     for (int t = 0; t < TILES; ++t) std::memcpy(&w[t], panel + (k * TILES + t) * kLanes, sizeof(FloatTile));
@@ -144,6 +158,14 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
       STRATA_UNROLL
       for (int t = 0; t < TILES; ++t) acc[m][t] += xv * w[t];
     }
+  }
+  if (!sums.last) {
+    STRATA_UNROLL
+    for (int m = 0; m < MR; ++m) {
+      STRATA_UNROLL
+      for (int t = 0; t < TILES; ++t) std::memcpy(sums.carry + m * kPanelTiles + t, &acc[m][t], sizeof(FloatTile));
+    }
+    return;
   }
   if constexpr (GATE != GateActivation::kNone) {
     if constexpr (TILES == 3 && kNativeLanes == kLanes) {
@@ -208,30 +230,30 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   }
 }
 
-template <int TILES, bool PREFETCH, GateActivation GATE>
+template <int TILES, GateActivation GATE>
 inline void panel_block_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                              const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
-                             Prefetch prefetch) {
+                             Prefetch prefetch, SliceSums sums) {
   switch (rows) {
-    case 8: panel_block<8, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 7: panel_block<7, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 6: panel_block<6, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 5: panel_block<5, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 4: panel_block<4, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 3: panel_block<3, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    case 2: panel_block<2, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
-    default: panel_block<1, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch); break;
+    case 8: panel_block<8, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 7: panel_block<7, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 6: panel_block<6, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 5: panel_block<5, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 4: panel_block<4, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 3: panel_block<3, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 2: panel_block<2, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    default: panel_block<1, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
   }
 }
 
 // panel_block for a panel `width` columns wide (whole tiles) and 1 to kPanelRows rows.
-template <bool PREFETCH, GateActivation GATE>
+template <GateActivation GATE>
 inline void panel_block_any(int64_t width, int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                             const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
-                            Prefetch prefetch) {
+                            Prefetch prefetch, SliceSums sums) {
   const auto block = [&](auto tiles) {
-    panel_block_rows<decltype(tiles)::value, PREFETCH, GATE>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
-                                                       prefetch);
+    panel_block_rows<decltype(tiles)::value, GATE>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
+                                                       prefetch, sums);
   };
   switch (width / kLanes) {
     case 3: block(std::integral_constant<int, 3>{}); break;
@@ -253,18 +275,20 @@ struct PackedWeightView {
 };
 using PanelWeight = PackedWeightView<float>;
 
-// The row blocks after a panel's first that prefetch the stretch of panel this thread reads next (the next
-// part of the depth, the next panel, or the first one again for the next chunk of rows), a third each, one
-// cache line a k. Without them, the first row block asks for the panel from memory at the FMAs' pace, 3
-// lines a k, and waited: it took 1.4x as long as the others (16.2k against 11.6k cycles; Zen 4, 32 rows,
-// SmolLM's layers from memory). With them it took 12.5k and the others 11.9k. Measured against none,
-// alternated, 2 threads: SmolLM's layers and head 1.05-1.07x at 32 rows, 1.02-1.03x at 48-64, 1.01x at
-// 128, 0.997x at 512-1024 (within noise); Llama-7B's 1.05x at 32, 1.01x at 128; a decode step at 32
-// requests 1.009-1.029x. Spread over all the blocks after the first, 512 rows and more lost 1%: the
-// prefetches cost each block a little, and past a few blocks the first one's wait matters less. With fewer
-// than 4 blocks (fewer than 25 rows) they come 2-3 a k: 0.7-0.9x at 9-16 rows, 0.94-1.03x at 24.
-constexpr int64_t kPrefetchingBlocks = 3;
-constexpr int64_t kMinPrefetchBlocks = kPrefetchingBlocks + 1;
+// How much of the depth a work item's row blocks take in turn. An item (a chunk of rows by one panel) runs
+// slice by slice: each row block multiplies a kSliceDepth-deep slice of the panel (12 KB of a full one),
+// its sums carried in L1 from slice to slice (`SliceSums`), so the first block reads the slice from memory
+// and the others from L1; and each slice's blocks request the slice after it into L2 (the first of the
+// item this thread takes next, after the last), a share each, one cache line a k. The weight streams in at
+// an even pace while the FMAs run. Before, each row block took the whole depth with its sums in registers,
+// and the blocks after the first prefetched the next panel, only from 4 blocks on (2-3 prefetches a k cost
+// 0.7-0.9x at 9-16 rows); the first block waited on memory, and fewer than 25 rows never prefetched.
+// Sliced against that (`benchmarks/kernel_ab.py`, SmolLM-135M's layers and head from memory, 2 threads,
+// Intel Xeon model 207): 1.31x at 4 rows, 1.45x at 8, 1.59x at 16, 1.11x at 32, 1.06x at 64, 1.10x at 128
+// (weight streams of 19-24 GB/s at 4-16 rows, where the whole-depth blocks read 14). Slices of 128 and
+// prefetching two slices ahead measured the same as 64 and one.
+constexpr int64_t kSliceDepth = 64;
+constexpr int64_t kBlockTiles = kPanelRows * kPanelTiles;
 
 // The parts (panels, or bf16x3 items) of a GEMM call's weights, numbered weight after weight: weight i owns
 // parts [first[i], first[i + 1]).
@@ -344,33 +368,44 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
     const int64_t width = panel_width(columns);
     const float* bias = w.bias ? w.bias + n0 : nullptr;
     float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
+    thread_local std::vector<FloatTile> carry;  // the row blocks' sums between slices
+    carry.resize(std::max<size_t>(carry.size(), blocks * kBlockTiles));
     for (int64_t k0 = 0; k0 < K; k0 += depth) {
       const int64_t part = std::min(depth, K - k0);
       const float* panel = w.data + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
-      // What this thread reads after this part of the panel (a tile is one cache line a k).
+      const int64_t part_lines = part * width / kLanes;   // a tile is one cache line a k
+      // What this thread reads after this part of the panel: its next part, or the item it takes next.
       const float* next = nullptr;
       int64_t next_lines = 0;
-      if (blocks >= kMinPrefetchBlocks) {
-        if (k0 + depth < K) {
-          next = panel + part * width;
-          next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
-        } else if (following < items) {
-          const auto [j, next_n0, next_columns] = locate(following % panels);
-          next = weights[j].data + next_n0 * K;
-          next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
-        }
+      if (k0 + depth < K) {
+        next = panel + part * width;
+        next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
+      } else if (following < items) {
+        const auto [j, next_n0, next_columns] = locate(following % panels);
+        next = weights[j].data + next_n0 * K;
+        next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
       }
-      const int64_t share = (next_lines + kPrefetchingBlocks - 1) / kPrefetchingBlocks;  // lines a block
-      for (int64_t r = m0; r < m1; r += kPanelRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
-        const float* xr = x + r * K + k0;
-        float* orow = o + r * ldo;
-        const int64_t block = (r - m0) / kPanelRows;
-        if (next && block > 0 && block <= kPrefetchingBlocks) {
-          const Prefetch prefetch{reinterpret_cast<const char*>(next) + (block - 1) * share * 64, share};
-          panel_block_any<true, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, prefetch);
-        } else {
-          panel_block_any<false, GATE>(width, rows, xr, K, panel, part, bias, orow, ldo, columns, k0 > 0, {});
+      // `lines` cache lines from line `from` on of this thread's weight stream: this part, then `next`.
+      const auto stretch = [&](int64_t from, int64_t lines) {
+        if (from < part_lines) {
+          return Prefetch{reinterpret_cast<const char*>(panel) + from * 64, std::min(lines, part_lines - from)};
+        }
+        from -= part_lines;
+        if (from >= next_lines) return Prefetch{nullptr, 0};
+        return Prefetch{reinterpret_cast<const char*>(next) + from * 64, std::min(lines, next_lines - from)};
+      };
+      const int64_t slices = (part + kSliceDepth - 1) / kSliceDepth, slice_lines = kSliceDepth * width / kLanes;
+      const int64_t share = (slice_lines + blocks - 1) / blocks;  // lines a block prefetches
+      for (int64_t s = 0; s < slices; ++s) {
+        const int64_t ks = s * kSliceDepth;
+        for (int64_t r = m0, block = 0; r < m1; r += kPanelRows, ++block) {
+          const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
+          const Prefetch prefetch =
+              stretch((s + 1) * slice_lines + block * share, std::min(share, slice_lines - block * share));
+          const SliceSums sums{carry.data() + block * kBlockTiles, s == 0, s + 1 == slices};
+          panel_block_any<GATE>(width, rows, x + r * K + k0 + ks, K, panel + ks * width,
+                                std::min(kSliceDepth, part - ks), bias, o + r * ldo, ldo, columns, k0 > 0, prefetch,
+                                sums);
         }
       }
     }
