@@ -531,9 +531,7 @@ def _glu_reference(x: torch.Tensor, weight: torch.Tensor, activation: str) -> to
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize(
-    ("intermediate", "in_features"), [(384, 96), (24, 64), (10, 16), (7, 3), (40, 200)]
-)
+@pytest.mark.parametrize(("intermediate", "in_features"), [(384, 96), (24, 64), (10, 16), (7, 3), (40, 200)])
 @pytest.mark.parametrize("packed", [True, False])
 def test_linear_glu_matches_the_activated_gate_times_up(
     activation: str, intermediate: int, in_features: int, packed: bool
