@@ -111,8 +111,8 @@ inline FloatTile load_columns(const float* p, int64_t n) {
 // item's depth (`sums`), of which the first `columns` columns are stored (rows of out `ldo` apart): bias
 // added where given, or, with `accumulate`, the sums already in out (an earlier part of the depth) added
 // instead. With a GATE, the panel holds gate and up pairs (`panel_row`) and out gets act(gate) * up,
-// `columns / 2` values a row (no bias, whole depth). The first `prefetch.lines` cache lines from
-// `prefetch.from` on are requested as well, one a k (more where there are more lines than k's), into L2:
+// `columns / 2` values a row (no bias, whole depth). With PREFETCH, the first `prefetch.lines` cache lines
+// from `prefetch.from` on are requested as well, one a k (more where there are more lines than k's), into L2:
 // against L1, 1.017-1.036x at 32 rows, 1.004-1.009x at 48-128 (SmolLM-135M's 30 layers from memory, both
 // builds in one process, alternated; Intel Xeon model 207; Zen 4 not compared). A prefetch never faults,
 // so one past the end of the weight is harmless.
@@ -130,7 +130,7 @@ struct SliceSums {
   bool last;
 };
 
-template <int MR, int TILES, GateActivation GATE>
+template <int MR, int TILES, bool PREFETCH, GateActivation GATE>
 inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                         float* out, int64_t ldo, int64_t columns, bool accumulate, Prefetch prefetch,
                         SliceSums sums) {
@@ -148,7 +148,9 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
     }
   }
   for (int64_t k = 0; k < K; ++k) {
-    for (int64_t line = k; line < prefetch.lines; line += K) __builtin_prefetch(prefetch.from + line * 64, 0, 2);
+    if constexpr (PREFETCH) {
+      for (int64_t line = k; line < prefetch.lines; line += K) __builtin_prefetch(prefetch.from + line * 64, 0, 2);
+    }
     FloatTile w[TILES];
     STRATA_UNROLL
     for (int t = 0; t < TILES; ++t) std::memcpy(&w[t], panel + (k * TILES + t) * kLanes, sizeof(FloatTile));
@@ -230,29 +232,29 @@ inline void panel_block(const float* x, int64_t ldx, const float* panel, int64_t
   }
 }
 
-template <int TILES, GateActivation GATE>
+template <int TILES, bool PREFETCH, GateActivation GATE>
 inline void panel_block_rows(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                              const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
                              Prefetch prefetch, SliceSums sums) {
   switch (rows) {
-    case 8: panel_block<8, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 7: panel_block<7, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 6: panel_block<6, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 5: panel_block<5, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 4: panel_block<4, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 3: panel_block<3, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    case 2: panel_block<2, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
-    default: panel_block<1, TILES, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 8: panel_block<8, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 7: panel_block<7, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 6: panel_block<6, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 5: panel_block<5, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 4: panel_block<4, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 3: panel_block<3, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    case 2: panel_block<2, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
+    default: panel_block<1, TILES, PREFETCH, GATE>(x, ldx, panel, K, bias, out, ldo, columns, accumulate, prefetch, sums); break;
   }
 }
 
 // panel_block for a panel `width` columns wide (whole tiles) and 1 to kPanelRows rows.
-template <GateActivation GATE>
+template <bool PREFETCH, GateActivation GATE>
 inline void panel_block_any(int64_t width, int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
                             const float* bias, float* out, int64_t ldo, int64_t columns, bool accumulate,
                             Prefetch prefetch, SliceSums sums) {
   const auto block = [&](auto tiles) {
-    panel_block_rows<decltype(tiles)::value, GATE>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
+    panel_block_rows<decltype(tiles)::value, PREFETCH, GATE>(rows, x, ldx, panel, K, bias, out, ldo, columns, accumulate,
                                                        prefetch, sums);
   };
   switch (width / kLanes) {
@@ -288,7 +290,17 @@ using PanelWeight = PackedWeightView<float>;
 // (weight streams of 19-24 GB/s at 4-16 rows, where the whole-depth blocks read 14). Slices of 128 and
 // prefetching two slices ahead measured the same as 64 and one.
 constexpr int64_t kSliceDepth = 64;
+// Items of fewer rows take their whole depth at once and prefetch nothing: at so few FMAs a k the hardware
+// prefetcher keeps up, and the slices cost 0.969-0.985x at 1 row (80-100 passes; now 1.002x).
+constexpr int64_t kMinStreamedRows = 4;
 constexpr int64_t kBlockTiles = kPanelRows * kPanelTiles;
+
+// This thread's room for the sums of `blocks` row blocks between slices.
+inline FloatTile* slice_carry(int64_t blocks) {
+  thread_local std::vector<FloatTile> carry;
+  if (static_cast<int64_t>(carry.size()) < blocks * kBlockTiles) carry.resize(blocks * kBlockTiles);
+  return carry.data();
+}
 
 // The parts (panels, or bf16x3 items) of a GEMM call's weights, numbered weight after weight: weight i owns
 // parts [first[i], first[i + 1]).
@@ -368,19 +380,20 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
     const int64_t width = panel_width(columns);
     const float* bias = w.bias ? w.bias + n0 : nullptr;
     float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
-    thread_local std::vector<FloatTile> carry;  // the row blocks' sums between slices
-    carry.resize(std::max<size_t>(carry.size(), blocks * kBlockTiles));
+    const bool streamed = m1 - m0 >= kMinStreamedRows;
+    FloatTile* carry = streamed ? slice_carry(blocks) : nullptr;
     for (int64_t k0 = 0; k0 < K; k0 += depth) {
       const int64_t part = std::min(depth, K - k0);
       const float* panel = w.data + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
       const int64_t part_lines = part * width / kLanes;   // a tile is one cache line a k
-      // What this thread reads after this part of the panel: its next part, or the item it takes next.
+      // What a streamed item's thread reads after this part of the panel: its next part, or the item it
+      // takes next.
       const float* next = nullptr;
       int64_t next_lines = 0;
-      if (k0 + depth < K) {
+      if (streamed && k0 + depth < K) {
         next = panel + part * width;
         next_lines = std::min(depth, K - k0 - depth) * width / kLanes;
-      } else if (following < items) {
+      } else if (streamed && following < items) {
         const auto [j, next_n0, next_columns] = locate(following % panels);
         next = weights[j].data + next_n0 * K;
         next_lines = std::min(depth, K) * panel_width(next_columns) / kLanes;
@@ -394,18 +407,25 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
         if (from >= next_lines) return Prefetch{nullptr, 0};
         return Prefetch{reinterpret_cast<const char*>(next) + from * 64, std::min(lines, next_lines - from)};
       };
-      const int64_t slices = (part + kSliceDepth - 1) / kSliceDepth, slice_lines = kSliceDepth * width / kLanes;
+      const int64_t slice_depth = streamed ? kSliceDepth : part;
+      const int64_t slices = (part + slice_depth - 1) / slice_depth, slice_lines = slice_depth * width / kLanes;
       const int64_t share = (slice_lines + blocks - 1) / blocks;  // lines a block prefetches
       for (int64_t s = 0; s < slices; ++s) {
-        const int64_t ks = s * kSliceDepth;
+        const int64_t ks = s * slice_depth;
         for (int64_t r = m0, block = 0; r < m1; r += kPanelRows, ++block) {
           const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
-          const Prefetch prefetch =
-              stretch((s + 1) * slice_lines + block * share, std::min(share, slice_lines - block * share));
-          const SliceSums sums{carry.data() + block * kBlockTiles, s == 0, s + 1 == slices};
-          panel_block_any<GATE>(width, rows, x + r * K + k0 + ks, K, panel + ks * width,
-                                std::min(kSliceDepth, part - ks), bias, o + r * ldo, ldo, columns, k0 > 0, prefetch,
-                                sums);
+          const SliceSums sums{carry + block * kBlockTiles, s == 0, s + 1 == slices};
+          const float* xr = x + r * K + k0 + ks;
+          const int64_t depth_here = std::min(slice_depth, part - ks);
+          if (streamed) {
+            const Prefetch prefetch =
+                stretch((s + 1) * slice_lines + block * share, std::min(share, slice_lines - block * share));
+            panel_block_any<true, GATE>(width, rows, xr, K, panel + ks * width, depth_here, bias, o + r * ldo, ldo,
+                                        columns, k0 > 0, prefetch, sums);
+          } else {
+            panel_block_any<false, GATE>(width, rows, xr, K, panel + ks * width, depth_here, bias, o + r * ldo, ldo,
+                                         columns, k0 > 0, {}, sums);
+          }
         }
       }
     }
