@@ -49,10 +49,20 @@ def _attend(
         if sliding_window > 0:
             mask &= k_pos > q_pos - sliding_window
     if softcap <= 0:
+        # Queries and keys that start together without a window (a whole prompt) are SDPA's own causal case
+        # (top-left aligned), whose CPU flash kernel then skips the blocks above the diagonal: 5.3 against
+        # 6.1 ms with the mask tensor for one SmolLM-135M layer's 512-token prompt (2 threads).
+        causal = mask is not None and query_offset == key_offset and sliding_window <= 0
         # With a batch axis: for 3-D inputs the CPU dispatch takes SDPA's math path, which materialises the
         # scores (SmolLM-135M's 512-token prefill layer, 2 threads on an AVX2 EPYC: 18 ms, 5.5 ms as 4-D).
         out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            q[None],
+            k[None],
+            v[None],
+            attn_mask=None if causal else mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
         )
         return out[0].transpose(0, 1)
     # Logit soft-capping (Gemma 2) has no SDPA equivalent: spell it out, softmax in float32.
