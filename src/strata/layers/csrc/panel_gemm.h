@@ -286,9 +286,10 @@ using PanelWeight = PackedWeightView<float>;
 // and the blocks after the first prefetched the next panel, only from 4 blocks on (2-3 prefetches a k cost
 // 0.7-0.9x at 9-16 rows); the first block waited on memory, and fewer than 25 rows never prefetched.
 // Sliced against that (`benchmarks/kernel_ab.py`, SmolLM-135M's layers and head from memory, 2 threads,
-// Intel Xeon model 207): 1.31x at 4 rows, 1.45x at 8, 1.59x at 16, 1.11x at 32, 1.06x at 64, 1.10x at 128
-// (weight streams of 19-24 GB/s at 4-16 rows, where the whole-depth blocks read 14). Slices of 128 and
-// prefetching two slices ahead measured the same as 64 and one.
+// Intel Xeon model 207): 1.25-1.31x at 4 rows, 1.43-1.48x at 8-9, 1.56-1.59x at 16, 1.08-1.11x at 32,
+// 1.06x at 64, 1.10-1.13x at 128, 0.96-0.99x at 512, 1.02x at 1024 (weight streams of 19-24 GB/s at 4-16
+// rows, where the whole-depth blocks read 14). Slices of 128 and prefetching two slices ahead measured the
+// same as 64 and one; slices of 32 and 256 were slower (0.91-0.98x).
 constexpr int64_t kSliceDepth = 64;
 // Items of fewer rows take their whole depth at once and prefetch nothing: at so few FMAs a k the hardware
 // prefetcher keeps up, and the slices cost 0.969-0.985x at 1 row (80-100 passes; now 1.002x).
