@@ -382,7 +382,9 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
     const float* bias = w.bias ? w.bias + n0 : nullptr;
     float* o = out + w.column + (GATE == GateActivation::kNone ? n0 : n0 / 2);
     const bool streamed = m1 - m0 >= kMinStreamedRows;
-    FloatTile* carry = streamed ? slice_carry(blocks) : nullptr;
+    // Room for sums between slices, where there is more than one (a depth of at most kSliceDepth, which may
+    // come with thousands of rows a chunk, has none).
+    FloatTile* carry = streamed && depth > kSliceDepth ? slice_carry(blocks) : nullptr;
     for (int64_t k0 = 0; k0 < K; k0 += depth) {
       const int64_t part = std::min(depth, K - k0);
       const float* panel = w.data + n0 * K + k0 * width;  // rows k0.. of the panel: contiguous
