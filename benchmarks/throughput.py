@@ -661,13 +661,11 @@ def roofline_seconds(
     engine can reach either limit there."""
     rate_key = "matmul_bf16_gflop_s" if engine in BF16_MATMUL_ENGINES else "matmul_fp32_gflop_s"
     rate, bandwidth = roofline[rate_key] * 1e9, roofline["memory_read_gb_s"] * 1e9
-    head = weights["head_params"]
-    layers = weights["matmul_params"] - head
     weight_bytes = engine_weight_bytes(engine, weights)
     kv_bytes_per_token = weights["kv_values_per_token"] * ENGINE_KV_BYTES.get(engine, 4.0)
-    seconds = max(sequences * 2 * (layers * prompt_len + head) / rate, weight_bytes / bandwidth)
+    seconds = max(work_flops(weights, sequences, prompt_len, 1) / rate, weight_bytes / bandwidth)
+    step_flops = 2 * sequences * weights["matmul_params"]  # each further token: the layers and the head
     for context in range(prompt_len + 1, prompt_len + new_tokens):  # tokens in the cache after the step
-        step_flops = sequences * 2 * (layers + head)
         step_bytes = weight_bytes + sequences * context * kv_bytes_per_token
         seconds += max(step_flops / rate, step_bytes / bandwidth)
     return seconds
