@@ -418,16 +418,16 @@ inline void panel_gemm(const float* x, int64_t M, int64_t K, const std::vector<P
         for (int64_t r = m0, block = 0; r < m1; r += kPanelRows, ++block) {
           const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m1 - r));
           const SliceSums sums{carry + block * kBlockTiles, s == 0, s + 1 == slices};
-          const float* xr = x + r * K + k0 + ks;
-          const int64_t depth_here = std::min(slice_depth, part - ks);
+          const auto run = [&](auto prefetching, Prefetch prefetch) {
+            panel_block_any<decltype(prefetching)::value, GATE>(width, rows, x + r * K + k0 + ks, K, panel + ks * width,
+                                                                std::min(slice_depth, part - ks), bias, o + r * ldo,
+                                                                ldo, columns, k0 > 0, prefetch, sums);
+          };
           if (streamed) {
-            const Prefetch prefetch =
-                stretch((s + 1) * slice_lines + block * share, std::min(share, slice_lines - block * share));
-            panel_block_any<true, GATE>(width, rows, xr, K, panel + ks * width, depth_here, bias, o + r * ldo, ldo,
-                                        columns, k0 > 0, prefetch, sums);
+            run(std::true_type{},
+                stretch((s + 1) * slice_lines + block * share, std::min(share, slice_lines - block * share)));
           } else {
-            panel_block_any<false, GATE>(width, rows, xr, K, panel + ks * width, depth_here, bias, o + r * ldo, ldo,
-                                         columns, k0 > 0, {}, sums);
+            run(std::false_type{}, {});
           }
         }
       }
