@@ -14,6 +14,13 @@ rotating, so both meet the same neighbours. A control (the same sources twice) r
     python benchmarks/kernel_ab.py --base HEAD --candidate HEAD          # control
     python benchmarks/kernel_ab.py --layers 2 --no-head --passes 200    # weights in cache, not memory
 
+`--base aten` (or `--candidate aten`) puts ATen's own linear in place of a build: `torch.nn.functional.linear`
+on the unpacked weights (MKL or oneDNN, whichever this torch runs), q, k and v as three calls and the GLU's
+activation in eager ops, as transformers computes them; so the report says how Strata's kernels compare with
+the GEMM torch itself runs at the same rows and weights, which `torch.mm`'s rate on large squares does not.
+
+    python benchmarks/kernel_ab.py --base aten --rows 8,32,128         # ATen against the working tree
+
 `--kernel attention` does the same for `paged_decode_attention.cpp`. A pass runs every layer's decode
 attention once, each layer over a paged cache of its own laid out as the engine allocates it ([2, blocks,
 16, KV heads, head dim]; sequence b's j-th block is block b + j * rows, as a batch decoding together fills
@@ -55,6 +62,7 @@ KERNEL_SOURCES = {"linear": LINEAR_SOURCE, "attention": "paged_decode_attention.
 KV_DTYPES = sorted(name for name in KV_CACHE_DTYPES if name != "auto")
 BLOCK_SIZE = CacheConfig.block_size  # the engine's default
 VARIANTS = ("A", "B")
+ATEN = "aten"  # a --base/--candidate that is ATen's linear, not a build (`AtenLinear`)
 SEED = 0
 
 
@@ -84,7 +92,9 @@ def build_variants(
 ) -> dict[str, Any]:
     """Each variant's `kernel` source (`revisions[variant]`: a git revision, or None for the working tree) built at
     once (a build takes a minute or more), its op and C++ namespaces made unique to it, and loaded: the op
-    namespaces by variant."""
+    namespaces by variant, and an `AtenLinear` for a variant whose revision is `ATEN`."""
+    aten = {variant: AtenLinear() for variant, revision in revisions.items() if revision == ATEN}
+    revisions = {variant: revision for variant, revision in revisions.items() if variant not in aten}
     namespaces = {variant: f"strata_ab_{variant.lower()}_{uuid.uuid4().hex[:12]}" for variant in revisions}
     for variant, revision in revisions.items():  # every export before any build starts
         sources = workdir / namespaces[variant]
@@ -104,7 +114,33 @@ def build_variants(
             raise BuildError(f"building variant {variant} ({revisions[variant] or 'working tree'}) failed:\n"
                              f"{errors[variant][-3000:]}")  # fmt: skip
         torch.ops.load_library(str(library))
-    return {variant: getattr(torch.ops, namespace) for variant, namespace in namespaces.items()}
+    return {**aten, **{variant: getattr(torch.ops, namespace) for variant, namespace in namespaces.items()}}
+
+
+class AtenLinear:
+    """ATen's linear with the ops of a build that `run_layer` calls, on the weights as they are (nothing is
+    packed): what transformers runs for the same layers."""
+
+    name = ATEN
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def linear_group(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.linear(x, w) for w in weights], dim=1)
+
+    def linear_glu(self, x: torch.Tensor, weight: torch.Tensor, activation: str) -> torch.Tensor:
+        assert activation == "silu", "the harness's GLU layers are SiLU"
+        gate, up = torch.nn.functional.linear(x, weight).chunk(2, dim=1)
+        return torch.nn.functional.silu(gate) * up
+
+    def prepack_linear_weight(self, weight: torch.Tensor) -> None:
+        return None
+
+    def prepack_glu_weight(self, weight: torch.Tensor, activation: str) -> None:
+        return None
 
 
 def layer_weights(
@@ -334,9 +370,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base", default="HEAD", help="git revision of build A (default HEAD)")
     parser.add_argument(
-        "--candidate", default=None, help="git revision of build B (default: the working tree)"
+        "--base",
+        default="HEAD",
+        help=f"git revision of build A (default HEAD), or {ATEN!r}: ATen's own linear",
+    )
+    parser.add_argument(
+        "--candidate", default=None, help=f"git revision of build B (default: the working tree), or {ATEN!r}"
     )
     parser.add_argument(
         "--kernel", default="linear", choices=sorted(KERNEL_SOURCES), help="which kernel (default: linear)"
@@ -371,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     throughput.require_at_least_one(parser, args, ("passes", "layers", "threads", "context"))
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if args.kernel != "linear" and ATEN in (args.base, args.candidate):
+        parser.error(f"{ATEN!r} stands for ATen's linear, so it goes with --kernel linear only")
     shape = dict(MODEL_SHAPES[args.model])
     if args.layers:
         shape["num_hidden_layers"] = args.layers

@@ -100,6 +100,35 @@ def test_each_build_computes_the_linear_layers(
     del packed
 
 
+@needs_checkout
+def test_aten_stands_in_for_a_build_and_agrees_with_strata() -> None:
+    """`--base aten` times ATen's linear against the working tree's build: the harness checks that both
+    compute the same layers before timing (a disagreement fails the run), and A is no build."""
+    harness = load_benchmark("kernel_ab")
+    argv = ["--base", "aten", "--model", "tiny", "--rows", "1,9", "--passes", "2", "--warmup", "0"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert harness.main(argv) == 0
+    report, _ = json.JSONDecoder().raw_decode(stdout.getvalue())
+    assert report["base"] == "aten" and report["op_namespaces"]["A"] == "aten"
+    assert report["op_namespaces"]["B"].startswith("strata_ab_b_")
+    for result in report["results"]:
+        a, b = result["pass_ms"]["A"], result["pass_ms"]["B"]
+        assert result["ratio_a_over_b"] == pytest.approx(statistics.median(a) / statistics.median(b))
+
+
+def test_aten_linear_is_torch_linear_with_the_glu_halves_in_order() -> None:
+    aten = load_benchmark("kernel_ab").AtenLinear()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=generator)
+    weights = [torch.randn(n, 16, generator=generator) for n in (8, 4)]
+    torch.testing.assert_close(aten.linear_group(x, weights), torch.cat([x @ w.T for w in weights], dim=1))
+    gate_up = torch.randn(12, 16, generator=generator)
+    gate, up = x @ gate_up[:6].T, x @ gate_up[6:].T
+    torch.testing.assert_close(aten.linear_glu(x, gate_up, "silu"), torch.nn.functional.silu(gate) * up)
+    assert aten.prepack_linear_weight(gate_up) is None
+
+
 def test_unknown_revision_is_refused_before_any_build(capsys: pytest.CaptureFixture[str]) -> None:
     harness = load_benchmark("kernel_ab")
     if shutil.which("git") is None:
@@ -121,6 +150,7 @@ def test_unknown_revision_is_refused_before_any_build(capsys: pytest.CaptureFixt
         ["--kernel", "nope"],
         ["--kernel", "attention", "--context", "0"],
         ["--kernel", "attention", "--kv-dtype", "int8"],
+        ["--kernel", "attention", "--base", "aten"],
     ],
 )
 def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
