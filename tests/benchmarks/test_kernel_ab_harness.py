@@ -34,19 +34,23 @@ def _in_git_checkout() -> bool:
 needs_checkout = pytest.mark.skipif(not _in_git_checkout(), reason="needs a git checkout and a C++ compiler")
 
 
+def _run_harness(argv: list[str]) -> tuple[dict[str, Any], str]:
+    """The harness run with `argv`, which must succeed: its JSON report and the table printed after it."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert load_benchmark("kernel_ab").main(argv) == 0
+    report, end = json.JSONDecoder().raw_decode(stdout.getvalue())
+    return report, stdout.getvalue()[end:]
+
+
 @pytest.fixture(scope="module")
 def control_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     """HEAD against the working tree on the tiny model: its JSON report and the table printed after it."""
-    harness = load_benchmark("kernel_ab")
     json_out = tmp_path_factory.mktemp("kernel_ab") / "report.json"
     argv = ["--base", "HEAD", "--model", "tiny", "--rows", "1,9", "--passes", "4", "--warmup", "1"]
-    argv += ["--json-out", str(json_out)]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert harness.main(argv) == 0
-    report, end = json.JSONDecoder().raw_decode(stdout.getvalue())
+    report, table = _run_harness([*argv, "--json-out", str(json_out)])
     assert json.loads(json_out.read_text()) == report
-    return report, stdout.getvalue()[end:]
+    return report, table
 
 
 @needs_checkout
@@ -104,12 +108,8 @@ def test_each_build_computes_the_linear_layers(
 def test_aten_stands_in_for_a_build_and_agrees_with_strata() -> None:
     """`--base aten` times ATen's linear against the working tree's build: the harness checks that both
     compute the same layers before timing (a disagreement fails the run), and A is no build."""
-    harness = load_benchmark("kernel_ab")
     argv = ["--base", "aten", "--model", "tiny", "--rows", "1,9", "--passes", "2", "--warmup", "0"]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert harness.main(argv) == 0
-    report, _ = json.JSONDecoder().raw_decode(stdout.getvalue())
+    report, _ = _run_harness(argv)
     assert report["base"] == "aten" and report["op_namespaces"]["A"] == "aten"
     assert report["op_namespaces"]["B"].startswith("strata_ab_b_")
     for result in report["results"]:
@@ -165,14 +165,8 @@ def test_bad_arguments_are_refused(argv: list[str], capsys: pytest.CaptureFixtur
 def attention_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     """HEAD against the working tree for the decode-attention kernel on the tiny model's layers, float16
     caches: its JSON report and the table printed after it."""
-    harness = load_benchmark("kernel_ab")
     argv = ["--kernel", "attention", "--base", "HEAD", "--model", "tiny", "--rows", "1,5", "--context", "40"]
-    argv += ["--kv-dtype", "float16", "--passes", "4", "--warmup", "1"]
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        assert harness.main(argv) == 0
-    report, end = json.JSONDecoder().raw_decode(stdout.getvalue())
-    return report, stdout.getvalue()[end:]
+    return _run_harness([*argv, "--kv-dtype", "float16", "--passes", "4", "--warmup", "1"])
 
 
 @needs_checkout
