@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,6 +24,27 @@ os.environ["STRATA_PLUGINS"] = ""
 
 # Compiled pieces go to a private folder (subprocess servers inherit it), never the user's ~/.cache.
 os.environ["STRATA_CACHE_ROOT"] = tempfile.mkdtemp(prefix="strata-test-cache-")
+
+
+@pytest.fixture
+def restore_registry() -> Iterator[None]:
+    """Layers, implementations, overrides and platforms registered by the test are gone after it."""
+    from strata import platforms
+    from strata.custom_op import oot_registry, op_registry
+
+    saved = {name: copy.copy(entry) for name, entry in op_registry.items()}
+    for entry in saved.values():
+        entry.implementations = {
+            platform: list(classes) for platform, classes in entry.implementations.items()
+        }
+    saved_oot, saved_platforms = dict(oot_registry), dict(platforms._platforms)
+    yield
+    op_registry.clear()
+    op_registry.update(saved)
+    oot_registry.clear()
+    oot_registry.update(saved_oot)
+    platforms._platforms.clear()
+    platforms._platforms.update(saved_platforms)
 
 
 @pytest.fixture

@@ -1,54 +1,56 @@
-"""The CustomOp registry: one registry for in-tree and out-of-tree classes, construction-time swaps,
-duplicate names, and forward-method dispatch from the platform and the `custom_ops` setting."""
+"""The registry: one class defines each op, platforms add implementations, plugins add overrides; names are
+unique, and each registration says clearly what is wrong with it. Which of them a layer gets is the
+resolver's (tests/models/test_layer_resolver.py)."""
 
 from __future__ import annotations
-
-import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from strata import platforms
 from strata.config import ConfigError, LayerConfig, get_current_layer_config, set_current_layer_config
 from strata.custom_op import (
     CustomOp,
     RegistrationError,
-    maybe_get_oot_by_class,
+    construct,
+    describe_layers,
     op_registry,
+    reference_of,
+    register_implementation,
+    register_oot,
 )
-from strata.hw_agnostic.layers import layernorm as hw_layernorm
-from strata.layers import activation, layernorm
+from strata.hw_agnostic.layers import GeluAndMul, GluMLP, RMSNorm, SiluAndMul
+from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
+
+pytestmark = pytest.mark.usefixtures("restore_registry")
 
 
-@pytest.fixture(autouse=True)
-def restore_registry() -> Iterator[None]:
-    """Overrides registered here must not reach other tests' models."""
-    saved = {name: copy.copy(entry) for name, entry in op_registry.items()}
-    for entry in saved.values():
-        entry.in_tree = dict(entry.in_tree)
-    yield
-    op_registry.clear()
-    op_registry.update(saved)
+def test_each_op_is_defined_by_its_reference_class() -> None:
+    assert op_registry["rms_norm"].reference is RMSNorm
+    assert op_registry["gemma_rms_norm"].reference is GemmaRMSNorm
+    assert op_registry["glu_mlp"].reference is GluMLP
+    assert RMSNorm.op_name == "rms_norm" and RMSNorm.provider == "hw-agnostic"
+    norm = RMSNorm(8)  # constructed directly: that very class, running its reference
+    assert type(norm) is RMSNorm and norm.forward_method_name == "forward_native"
 
 
-def test_override_applies_to_both_providers_and_takes_the_same_arguments() -> None:
-    @layernorm.RMSNorm.register_oot
-    class MyNorm(hw_layernorm.RMSNorm):
+def test_an_implementation_joins_its_ops_entry_under_its_platform_in_order() -> None:
+    @register_implementation("chip")
+    class First(GemmaRMSNorm):
         pass
 
-    for cls in (layernorm.RMSNorm, hw_layernorm.RMSNorm):
-        norm = cls(24, 1e-3, dtype=torch.float64)
-        assert type(norm) is MyNorm
-        assert norm.weight.shape == (24,) and norm.weight.dtype == torch.float64
-        assert norm.variance_epsilon == 1e-3
-    assert maybe_get_oot_by_class(layernorm.RMSNorm) is MyNorm
-    assert maybe_get_oot_by_class(layernorm.GemmaRMSNorm) is layernorm.GemmaRMSNorm
-    assert MyNorm.provider == f"oot:{__name__}.{MyNorm.__qualname__}"
-    assert MyNorm.op_name == "rms_norm"
+    @register_implementation("chip")
+    class Second(GemmaRMSNorm):
+        pass
+
+    assert op_registry["gemma_rms_norm"].implementations["chip"] == [First, Second]
+    assert First.provider == "chip" and First.op_name == "gemma_rms_norm"
+    # Gemma's norm subclasses Llama's, but is an op of its own: its implementations are not Llama's.
+    assert First not in op_registry["rms_norm"].implementations.get("chip", [])
+    with pytest.raises(RegistrationError, match="subclasses no registered op class"):
+        register_implementation("chip")(type("Loose", (CustomOp,), {}))
 
 
-def test_override_registered_before_the_class_exists_applies() -> None:
+def test_an_override_may_be_registered_before_its_op_exists() -> None:
     class Override(CustomOp):
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:
             return x + 1
@@ -60,34 +62,39 @@ def test_override_registered_before_the_class_exists_applies() -> None:
         def forward_native(self, x: torch.Tensor) -> torch.Tensor:
             return x
 
-    op = LateOp()
-    assert type(op) is Override
-    assert Override.op_name == "late_op"  # learnt from the in-tree class registered afterwards
-    assert op(torch.zeros(1)).item() == 1
+    assert op_registry["late_op"].oot is Override
+    assert Override.provider == f"oot:{__name__}.{Override.__qualname__}"
 
 
 def test_register_oot_forms() -> None:
     @CustomOp.register_oot(name="SiluAndMul")
-    class A(activation.SiluAndMul):
+    class A(SiluAndMul):
         pass
 
-    assert type(activation.SiluAndMul()) is A
+    assert op_registry["silu_and_mul"].oot is A
 
-    @activation.GeluAndMul.register_oot()
-    class B(activation.GeluAndMul):
+    @GeluAndMul.register_oot()
+    class B(GeluAndMul):
         pass
 
-    assert type(activation.GeluAndMul(approximate="tanh")) is B
-    assert activation.GeluAndMul(approximate="tanh").approximate == "tanh"
+    assert op_registry["gelu_and_mul"].oot is B
+
+    @RMSNorm.register_oot
+    class C(RMSNorm):
+        pass
+
+    assert op_registry["rms_norm"].oot is C
     with pytest.raises(RegistrationError, match="name="):
         CustomOp.register_oot(A)
+    with pytest.raises(RegistrationError, match="needs a CustomOp"):
+        register_oot(len, "RMSNorm")  # type: ignore[arg-type]
 
 
 def test_duplicate_names_fail_naming_both_classes() -> None:
-    class First(layernorm.RMSNorm):
+    class First(RMSNorm):
         pass
 
-    class Second(layernorm.RMSNorm):
+    class Second(RMSNorm):
         pass
 
     CustomOp.register_oot(First, name="RMSNorm")
@@ -97,52 +104,31 @@ def test_duplicate_names_fail_naming_both_classes() -> None:
     with pytest.raises(RegistrationError, match=r"layernorm\.RMSNorm.*Again"):
 
         @CustomOp.register("rms_norm")
-        class RMSNorm(CustomOp):  # same class name, op name and provider as strata.layers.layernorm's
-            __qualname__ = "Again"
-
-    with pytest.raises(RegistrationError, match="already used by RMSNorm"):
-
-        @CustomOp.register("rms_norm")
-        class OtherNorm(CustomOp):
+        class Again(CustomOp):
             pass
 
-
-@pytest.mark.parametrize(
-    ("custom_ops", "rms", "silu"),
-    [
-        (["all"], "forward_cpu", "forward_cpu"),
-        (["none"], "forward_native", "forward_native"),
-        (["none", "+rms_norm"], "forward_cpu", "forward_native"),
-        (["all", "-silu_and_mul"], "forward_cpu", "forward_native"),
-    ],
-)
-def test_custom_ops_selects_the_forward_method(custom_ops: list[str], rms: str, silu: str) -> None:
-    with set_current_layer_config(LayerConfig(layer_impl="default", custom_ops=custom_ops)):
-        norm, act = layernorm.RMSNorm(8), activation.SiluAndMul()
-    assert (norm.forward_method_name, act.forward_method_name) == (rms, silu)
-    assert norm._forward_method == getattr(norm, rms)
+    with pytest.raises(RegistrationError, match="already the name of op 'rms_norm'"):
+        CustomOp.register("other_norm")(type("RMSNorm", (CustomOp,), {}))
 
 
-def test_platform_and_overrides_pick_their_methods(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(platforms, "current_platform", platforms.CUDA)
-    assert layernorm.RMSNorm(8).forward_method_name == "forward_cuda"
-    # The hw-agnostic class has no fast path: it reports the forward_native it really runs.
-    assert hw_layernorm.RMSNorm(8).forward_method_name == "forward_native"
-    chip = platforms.Platform(name="chip", forward_method="forward_oot")
-    platforms.set_current_platform(chip)
-    assert platforms.current_platform is chip
-    assert layernorm.RMSNorm(8).forward_method_name == "forward_native"
+def test_a_reference_is_built_with_the_layers_arguments_and_weights() -> None:
+    class Kernel(SiluAndMul):
+        def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward_native(x)
 
-    class Kernel(layernorm.RMSNorm):
-        def forward_oot(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            return x
-
-    CustomOp.register_oot(Kernel, name="RMSNorm")
-    assert layernorm.RMSNorm(8).forward_method_name == "forward_oot"
-    with set_current_layer_config(LayerConfig(custom_ops=["none"])):
-        assert layernorm.RMSNorm(8).forward_method_name == "forward_native"
-    with pytest.raises(TypeError, match="Platform"):
-        platforms.set_current_platform("cuda")  # type: ignore[arg-type]
+    act = construct(Kernel)
+    mlp = construct(GluMLP, 8, 6, act, False, False, torch.float32)
+    torch.nn.init.normal_(mlp.gate_up_proj.weight)
+    torch.nn.init.normal_(mlp.down_proj.weight)
+    reference = reference_of(mlp)
+    assert type(reference) is GluMLP and type(reference.act_fn) is SiluAndMul  # sublayers too
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(2 * reference(x), mlp(x))
+    rows = describe_layers(torch.nn.Sequential(mlp))
+    assert [(row["module"], row["op"], row["forward"]) for row in rows] == [
+        ("0", "glu_mlp", "forward_native"),
+        ("0.act_fn", "silu_and_mul", "forward_native"),
+    ]
 
 
 def test_layer_config_validation_and_env_default(monkeypatch: pytest.MonkeyPatch) -> None:

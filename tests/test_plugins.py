@@ -1,7 +1,8 @@
-"""Plugins: selection by STRATA_PLUGINS, clear errors, once per process; and the installed example plugin
-loaded, reported as `oot:strata_example` under both providers, executed, with unchanged outputs.
+"""Plugins: selection by STRATA_PLUGINS, clear errors, once per process; the installed example plugin
+loaded, reported as `oot:strata_example` under both layer settings, executed, with unchanged outputs; and the
+example platform plugin installed, named as a device, running its ops and its attention backend.
 
-The example plugin runs in a subprocess: a loaded override changes every later model in its process.
+The examples run in subprocesses: a loaded override changes every later model in its process.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import torch
 
 from strata import LLM, SamplingParams, plugins
 from strata.custom_op import CustomOp, op_registry, unregister_oot
-from strata.layers.activation import SiluAndMul
-from strata.layers.layernorm import GemmaRMSNorm
-from strata.layers.mlp import GluMLP
+from strata.hw_agnostic.layers import GluMLP, SiluAndMul
+from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
 
 
 @dataclass
@@ -64,8 +64,8 @@ def test_selected_plugins_load_once_and_their_overrides_name_them(
     assert plugins.load_plugins() == ["good"]
     assert plugins.load_plugins() == ["good"]  # once per process
     assert fake_plugins == ["good"]
-    assert op_registry["GemmaRMSNorm"].oot_source == "good"
-    assert type(GemmaRMSNorm(4)).provider == "oot:good"
+    override = op_registry["gemma_rms_norm"].oot
+    assert override is not None and override.provider == "oot:good"
 
 
 def test_a_broken_or_missing_plugin_is_named(
@@ -121,32 +121,25 @@ EXAMPLE_RUN = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def example_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example plugin pip-installed into a folder of its own, as a user would install it.
+def _install_into_own_folder(package: Path, site: Path) -> Path:
+    """`package` pip-installed into the folder `site`, as a user would install it.
 
     Installing it into the test venv itself would make it override the layers of every later `strata`
     command run there (`make run` included); a separate site folder on PYTHONPATH keeps it to the
     subprocess that asks for it.
     """
-    site = tmp_path_factory.mktemp("plugin-site")
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--target",
-            str(site),
-            str(EXAMPLE_PLUGIN),
-        ],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(package)],
         check=True,
         capture_output=True,
         timeout=300,
     )
     return site
+
+
+@pytest.fixture(scope="module")
+def example_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _install_into_own_folder(EXAMPLE_PLUGIN, tmp_path_factory.mktemp("plugin-site"))
 
 
 def test_example_plugin_is_loaded_reported_and_executed(example_plugin_site: Path) -> None:
@@ -180,7 +173,7 @@ def test_example_plugin_is_loaded_reported_and_executed(example_plugin_site: Pat
             assert row["forward"] == "forward_oot"
         verify = {check["op"]: check["max_abs_diff"] for check in report[impl]["verify"]}
         assert verify["rms_norm"] <= 1e-6
-    assert {row["provider"] for row in reference.layer_providers()} == {"default"}
+    assert {row["provider"] for row in reference.layer_providers()} == {"cpu"}
 
 
 def test_a_plugin_activation_keeps_its_glu_mlp_unfused(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -198,10 +191,92 @@ def test_a_plugin_activation_keeps_its_glu_mlp_unfused(tiny_model_dir: Callable[
     try:
         llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True)
         fused = llm.apply_model(
-            lambda model: [m.fused_activation for m in model.modules() if isinstance(m, GluMLP)]
+            lambda model: [
+                getattr(m, "fused_activation", None) for m in model.modules() if isinstance(m, GluMLP)
+            ]
         )
         llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         unregister_oot("SiluAndMul")
     assert fused and not any(fused)
     assert CountingSiluAndMul.calls >= 2 * len(fused)  # every MLP, in each of the two steps
+
+
+EXAMPLE_PLATFORM = Path(__file__).resolve().parents[1] / "examples" / "strata-example-platform"
+
+EXAMPLE_PLATFORM_RUN = textwrap.dedent(
+    """
+    import json
+    import torch
+    torch.set_num_threads(1)
+    from strata import LLM, SamplingParams
+    from strata.models.transformers.layers import verify_attention, verify_layers
+    from strata_example_platform.attention import ExampleAttentionBackend
+    from strata_example_platform.layers import ExampleRMSNorm
+
+    llm = LLM(device="example", max_model_len=64, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    outputs = llm.generate(["Once upon a time", "Lily had a dog"], params, use_tqdm=False)
+    print(json.dumps({
+        "texts": [output.outputs[0].text for output in outputs],
+        "rows": llm.layer_providers(),
+        "verify": verify_layers(llm.engine.runner.model),
+        "attention": verify_attention(llm.engine.runner.attn_backend, llm.engine.runner.layers, torch.float32),
+        "norm_calls": ExampleRMSNorm.calls,
+        "attention_calls": ExampleAttentionBackend.calls,
+    }))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def example_platform_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    site = _install_into_own_folder(EXAMPLE_PLATFORM, tmp_path_factory.mktemp("platform-site"))
+    return {**os.environ, "STRATA_PLUGINS": "strata_example_platform", "PYTHONPATH": str(site)}
+
+
+def test_example_platform_plugin_runs_its_ops_and_attention_backend(
+    example_platform_env: dict[str, str],
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", EXAMPLE_PLATFORM_RUN],
+        env=example_platform_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = LLM(max_model_len=64, max_num_seqs=2)  # the CPU platform, in this process
+    expected = reference.generate(
+        ["Once upon a time", "Lily had a dog"], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False
+    )
+    assert report["texts"] == [output.outputs[0].text for output in expected]
+    assert report["norm_calls"] > 0 and report["attention_calls"] > 0
+    providers = {row["op"]: (row["provider"], row["class"]) for row in report["rows"]}
+    assert providers["rms_norm"] == ("example", "strata_example_platform.layers.ExampleRMSNorm")
+    assert providers["attention"] == ("example", "strata_example_platform.attention.ExampleAttentionBackend")
+    assert providers["linear"] == ("hw-agnostic", "strata.hw_agnostic.layers.linear.Linear")
+    assert {row["forward"] for row in report["rows"] if row["op"] == "rms_norm"} == {"forward_example"}
+    assert all(check["max_abs_diff"] <= 1e-6 for check in report["verify"])
+    # Its attention against the reference backend: float32 math in another order.
+    assert report["attention"]["modules"] == 5 and report["attention"]["max_abs_diff"] <= 1e-5
+
+
+def test_example_platform_is_a_device_on_the_command_line(example_platform_env: dict[str, str]) -> None:
+    def strata(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "strata.entrypoints.cli", *args]
+        return subprocess.run(command, env=example_platform_env, capture_output=True, text=True, timeout=300)
+
+    story = ["generate", "--prompt", "Once upon a time", "--max-tokens", "12"]
+    on_example, on_cpu = strata(*story, "--device", "example"), strata(*story)
+    assert on_example.returncode == 0, on_example.stderr
+    assert on_example.stdout == on_cpu.stdout and on_example.stdout.startswith("Once upon a time")
+    layers = strata("layers", "--device", "example")
+    assert "platform: example" in layers.stdout and "ExampleAttentionBackend" in layers.stdout
+    unknown = strata(*story, "--device", "tpu")
+    assert (
+        unknown.returncode == 2
+        and "device 'tpu' names no platform; known: cpu, cuda, example" in unknown.stderr
+    )

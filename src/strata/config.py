@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from strata import envs
+from strata.platforms import Platform, get_platform
+from strata.plugins import load_plugins
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -204,7 +206,7 @@ class LayerConfig:
     single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
     `prepack_weights` lets layers keep a second copy of their weights in a faster kernel's own layout
     (STRATA_PREPACK_WEIGHTS; on): more memory for speed, and only while a quarter of the machine's memory
-    stays free (`layers.linear.prepacked_copy`).
+    stays free (`strata.platforms.cpu.layers.prepacked_copy`).
     `fp32_matmul_precision` is the `torch.set_float32_matmul_precision` float32 weights are packed under
     (None: whatever torch's is when the model loads): "high" or "medium" lets CPUs with AMX multiply them as
     bf16x3 from 4 rows of x on (`amx_panel_gemm.h`), "highest" keeps exact float32.
@@ -274,7 +276,6 @@ def get_current_layer_config() -> LayerConfig:
     return _current_layer_config.get() or LayerConfig()
 
 
-FUSION_PASSES = ("fuse_residual_add_into_rms_norm", "fuse_kv_write_into_attention", "group_sibling_linears")
 COMPILE_MODES = ("model", "layer")
 
 
@@ -337,7 +338,7 @@ class CompilationConfig:
     `use_layer_name` None takes STRATA_USE_LAYERNAME (on): layer-name ops get a `LayerName`, which compiles
     as a graph input, so identical layers share one compiled piece. It also applies without `compile`,
     because it selects the op variant at model build. `passes` maps a fusion pass name to on/off; passes
-    not named are on. `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
+    not named are on; the names are the platform's (`Platform.graph_passes`). `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
     STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
     decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for every
     layer of the same kind, so compile time is flat in depth (embedding, head and the loop over layers stay
@@ -378,9 +379,9 @@ class CompilationConfig:
         if not isinstance(self.passes, dict):
             raise ConfigError(f"passes must be a dict of pass name -> bool, got {self.passes!r}")
         for name, enabled in self.passes.items():
-            if name not in FUSION_PASSES or not isinstance(enabled, bool):
+            if not isinstance(name, str) or not isinstance(enabled, bool):
                 raise ConfigError(
-                    f"passes: {name!r}: {enabled!r} is not allowed; keys are {', '.join(FUSION_PASSES)}, values bools"
+                    f"passes: {name!r}: {enabled!r} is not allowed; keys are pass names, values bools"
                 )
 
         _check_inductor_options(self.inductor_compile_config)
@@ -391,16 +392,33 @@ class CompilationConfig:
 
 @dataclass
 class EngineConfig:
+    """Everything one engine runs with. `device` names the platform ("cpu", "cuda:1", or a plugin's), which
+    `platform` holds once checked; plugins load first, so their platforms can be named."""
+
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     layer_config: LayerConfig = field(default_factory=LayerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device: str = "cpu"
-    # None takes STRATA_ADAPTIVE_THREADS (on): the CPU thread count follows measured step times.
+    # None takes STRATA_ADAPTIVE_THREADS (on): the platform's thread policy follows measured step times.
     adaptive_threads: bool | None = None
+    platform: Platform = field(init=False, repr=False)
+    torch_device: torch.device = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        load_plugins()
+        try:
+            self.platform = get_platform(self.device)
+            self.torch_device = self.platform.torch_device(self.device)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        unknown = set(self.compilation_config.passes) - set(self.platform.graph_passes())
+        if unknown:
+            raise ConfigError(
+                f"passes: {', '.join(sorted(unknown))} not among the {self.platform.name} platform's graph passes "
+                f"({', '.join(self.platform.graph_passes()) or 'none'})"
+            )
         self.scheduler_config.finalize(self.model_config.max_model_len)
         if self.adaptive_threads is None:
             self.adaptive_threads = envs.adaptive_threads_default()

@@ -1,13 +1,18 @@
-"""One registry for layer implementations: in-tree ones (default and hw-agnostic) and out-of-tree overrides.
+"""One registry of layer implementations, and the base classes of registered layers.
 
-Entries are keyed by the registered class name ("RMSNorm"). The default and the hw-agnostic `RMSNorm`
-share that entry, so an override registered for "RMSNorm" (by a plugin, before or after Strata's layers
-are imported) replaces whichever of the two the resolver picked: constructing a registered class returns
-an instance of its override, with the same arguments.
+An op ("rms_norm") is defined once, by the class registered with `@CustomOp.register("rms_norm")`: its
+parameters, its constructor and its `forward_native`, the pure-PyTorch reference that runs on every device.
+Those classes live in `strata.hw_agnostic.layers`. Everything else that computes the op subclasses it:
 
-`CustomOp` is one operation and picks its forward method once, at construction, from the current platform
-and the `custom_ops` setting of the layer config being built. `PluggableLayer` is a composite module that is
-only swapped, never dispatched.
+- a platform's implementation defines `forward_<platform>` (`forward_cpu`) and registers with
+  `register_implementation("cpu")`; a platform may register several per op, in order of preference, each
+  saying through `supports(...)` which layers it can serve;
+- a plugin's override registers with `register_oot` under the op class's name ("RMSNorm") and replaces
+  the op on every platform; its `forward_oot` runs where it defines one.
+
+Which class and which forward method a layer gets is decided once per layer, in one place: the resolver
+(`strata.models.transformers.layers.LayerResolver`). Constructing a class directly gives that class,
+running its `forward_native`.
 """
 
 from __future__ import annotations
@@ -18,36 +23,40 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
-
-from strata import platforms
-from strata.config import get_current_layer_config
 
 logger = logging.getLogger("strata.custom_op")
 
 T = TypeVar("T", bound=type)
 
-_HW_AGNOSTIC_PREFIX = "strata.hw_agnostic."
+HW_AGNOSTIC = "hw-agnostic"
 
 
 class RegistrationError(ValueError):
-    """A layer class was registered twice under one name, or not as a class."""
+    """A layer class was registered twice, under a name already taken, or not as the right kind of class."""
 
 
 @dataclass
-class RegistryEntry:
-    """Everything registered under one class name: the op name, in-tree classes per provider, the override."""
+class OpEntry:
+    """Everything registered for one op: its reference class and each platform's implementations."""
 
-    op_name: str | None = None
-    in_tree: dict[str, type] = field(default_factory=dict)
-    oot: type | None = None
-    oot_source: str = ""
+    op_name: str
+    reference: type[RegisteredLayer]
+    implementations: dict[str, list[type[RegisteredLayer]]] = field(default_factory=dict)
+
+    @property
+    def oot(self) -> type[RegisteredLayer] | None:
+        """The plugin override registered under the reference class's name, if any."""
+        return oot_registry.get(self.reference.__name__)
 
 
-op_registry: dict[str, RegistryEntry] = {}
+# op name -> its entry
+op_registry: dict[str, OpEntry] = {}
+# reference class name ("RMSNorm") -> the plugin override; may be registered before the op itself.
+oot_registry: dict[str, type[RegisteredLayer]] = {}
 
 # The plugin whose `register()` is running, so its overrides are reported as `oot:<plugin>`.
 _registering_plugin: ContextVar[str | None] = ContextVar("strata_registering_plugin", default=None)
@@ -62,161 +71,96 @@ def registering_plugin(name: str) -> Iterator[None]:
         _registering_plugin.reset(token)
 
 
-def _provider_of_module(module_name: str) -> str:
-    return "hw-agnostic" if module_name.startswith(_HW_AGNOSTIC_PREFIX) else "default"
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _register_in_tree(op_cls: type, op_name: str) -> None:
-    entry = op_registry.setdefault(op_cls.__name__, RegistryEntry())
-    for other_name, other in op_registry.items():
-        if other is not entry and other.op_name == op_name:
-            raise RegistrationError(
-                f"op name {op_name!r} of {op_cls.__module__}.{op_cls.__qualname__} is already used by {other_name}"
-            )
-    if entry.op_name is not None and entry.op_name != op_name:
+def _register_op(op_cls: type[RegisteredLayer], op_name: str) -> None:
+    entry = op_registry.get(op_name)
+    if entry is not None and entry.reference is not op_cls:
         raise RegistrationError(
-            f"{op_cls.__qualname__} is registered as op {op_name!r}, but the other {op_cls.__name__} classes "
-            f"use {entry.op_name!r}"
+            f"op {op_name!r} is registered twice: {_path(entry.reference)} and {_path(op_cls)}"
         )
-    provider = _provider_of_module(op_cls.__module__)
-    previous = entry.in_tree.get(provider)
+    for other in op_registry.values():
+        if other.op_name != op_name and other.reference.__name__ == op_cls.__name__:
+            raise RegistrationError(
+                f"class name {op_cls.__name__} of op {op_name!r} is already the name of op {other.op_name!r} "
+                "(plugins override ops by class name)"
+            )
+    op_cls.op_name = op_name
+    op_cls.provider = HW_AGNOSTIC
+    op_registry[op_name] = OpEntry(op_name, op_cls)
+
+
+def _entry_of(cls: type) -> OpEntry:
+    """The entry of the op `cls` implements: the registered class among its bases."""
+    for base in cls.__mro__:
+        entry = op_registry.get(getattr(base, "op_name", ""))
+        if entry is not None and entry.reference is base:
+            return entry
+    raise RegistrationError(f"{_path(cls)} subclasses no registered op class")
+
+
+def register_implementation(platform: str) -> Callable[[T], T]:
+    """`@register_implementation("cpu")` on a subclass of an op's registered class: the platform's
+    implementation of that op, preferred over those registered for it after this one."""
+
+    def decorator(impl_cls: T) -> T:
+        if not (isinstance(impl_cls, type) and issubclass(impl_cls, RegisteredLayer)):
+            raise RegistrationError(f"register_implementation({platform!r}) needs a CustomOp subclass")
+        entry = _entry_of(impl_cls)
+        classes = entry.implementations.setdefault(platform, [])
+        if impl_cls not in classes:
+            classes.append(impl_cls)
+        impl_cls.provider = platform
+        return impl_cls
+
+    return decorator
+
+
+def register_oot(op_cls: T, name: str) -> T:
+    """Register `op_cls` as the plugin override of the op whose class is named `name` ("RMSNorm")."""
+    if not (isinstance(op_cls, type) and issubclass(op_cls, RegisteredLayer)):
+        raise RegistrationError(f"register_oot needs a CustomOp or PluggableLayer class, got {op_cls!r}")
+    previous = oot_registry.get(name)
     if previous is not None and previous is not op_cls:
         raise RegistrationError(
-            f"{op_name!r} ({provider}) is registered twice: {previous.__module__}.{previous.__qualname__} "
-            f"and {op_cls.__module__}.{op_cls.__qualname__}"
+            f"out-of-tree override for {name!r} is registered twice: {_path(previous)} and {_path(op_cls)}"
         )
-    entry.op_name = op_name
-    entry.in_tree[provider] = op_cls
-    if entry.oot is not None and getattr(entry.oot, "op_name", None) is None:
-        entry.oot.op_name = op_name  # type: ignore[attr-defined]
-    op_cls.op_name = op_name  # type: ignore[attr-defined]
-    op_cls.provider = provider  # type: ignore[attr-defined]
-
-
-def _register_oot(op_cls: type, name: str) -> None:
-    entry = op_registry.setdefault(name, RegistryEntry())
-    if entry.oot is not None and entry.oot is not op_cls:
-        raise RegistrationError(
-            f"out-of-tree override for {name!r} is registered twice: "
-            f"{entry.oot.__module__}.{entry.oot.__qualname__} and {op_cls.__module__}.{op_cls.__qualname__}"
-        )
-    entry.oot = op_cls
-    entry.oot_source = _registering_plugin.get() or f"{op_cls.__module__}.{op_cls.__qualname__}"
-    op_cls.provider = f"oot:{entry.oot_source}"  # type: ignore[attr-defined]
-    if entry.op_name is not None and getattr(op_cls, "op_name", None) is None:
-        op_cls.op_name = entry.op_name  # type: ignore[attr-defined]
-    op_cls.is_oot = True  # type: ignore[attr-defined]
+    oot_registry[name] = op_cls
+    op_cls.provider = f"oot:{_registering_plugin.get() or _path(op_cls)}"
+    return op_cls
 
 
 def unregister_oot(name: str) -> None:
     """Remove the override for `name` (tests use this to keep overrides from leaking into later models)."""
-    entry = op_registry.get(name)
-    if entry is not None:
-        entry.oot = None
-        entry.oot_source = ""
+    oot_registry.pop(name, None)
 
 
-def maybe_get_oot_by_class(cls: type) -> type:
-    """The out-of-tree override registered under `cls`'s name, or `cls` itself."""
-    entry = op_registry.get(cls.__name__)
-    return entry.oot if entry is not None and entry.oot is not None else cls
-
-
-def in_tree_class(op_name: str, provider: str) -> type | None:
-    """The in-tree class of `provider` ("default" or "hw-agnostic") registered as `op_name`, if any."""
-    for entry in op_registry.values():
-        if entry.op_name == op_name:
-            return entry.in_tree.get(provider)
-    return None
-
-
-def construct_in_tree(cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
-    """Build `cls` itself, skipping any override (the reference of `strata layers --verify`)."""
-    module = nn.Module.__new__(cls)
-    module.__init__(*args, **kwargs)  # type: ignore[misc]
+def construct(cls: type[M], *args: Any, **kwargs: Any) -> M:
+    """`cls(*args, **kwargs)`, remembering the arguments (`init_args`), so a reference of the same layer can
+    be built later (`strata layers --verify`)."""
+    module = cls(*args, **kwargs)
+    module.init_args = (args, kwargs)
     return module
 
 
-class _Swappable(nn.Module):
-    """Shared by CustomOp and PluggableLayer: construction returns the registered override, if any."""
+class RegisteredLayer(nn.Module):
+    """What every registered layer has: its op, who provides it, the forward it runs, and the hooks the
+    loader, the resolver and `strata layers --verify` call."""
 
-    op_name: str
-    provider: str = "default"
-    is_oot: bool = False
+    op_name: ClassVar[str]
+    provider: ClassVar[str] = HW_AGNOSTIC
     init_args: tuple[tuple[Any, ...], dict[str, Any]]
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        target = maybe_get_oot_by_class(cls)
-        if target is not cls:
-            logger.debug("constructing %s as its override %s", cls.__name__, target.__qualname__)
-        module = super().__new__(target)
-        object.__setattr__(module, "init_args", (args, kwargs))
-        if not isinstance(module, cls):
-            # Python only runs __init__ itself when __new__ returns an instance of cls.
-            module.__init__(*args, **kwargs)
-        return module
-
-    def process_weights_after_loading(self) -> None:
-        """Called once by the loader after every weight is in place, before the first forward. A layer that
-        wants its weights in another form (a kernel's packed layout, a derived scale) builds it here, so the
-        forward never does that work. The default has nothing to do."""
-
-    @classmethod
-    def register(cls, name: str) -> Callable[[T], T]:
-        """`@CustomOp.register("rms_norm")`: register an in-tree implementation as op `name`."""
-
-        def decorator(op_cls: T) -> T:
-            if not (isinstance(op_cls, type) and issubclass(op_cls, cls)):
-                raise RegistrationError(f"@{cls.__name__}.register({name!r}) needs a {cls.__name__} subclass")
-            _register_in_tree(op_cls, name)
-            return op_cls
-
-        return decorator
-
-    @classmethod
-    def register_oot(cls, _op_cls: T | None = None, *, name: str | None = None) -> Any:
-        """Register an out-of-tree override of `name` (default: the class this is called on).
-
-        `@RMSNorm.register_oot`, `@RMSNorm.register_oot()`, `@CustomOp.register_oot(name="RMSNorm")`
-        and `CustomOp.register_oot(MyNorm, name="RMSNorm")` all work.
-        """
-
-        def decorator(op_cls: T) -> T:
-            if not isinstance(op_cls, type):
-                raise RegistrationError(f"register_oot needs a class, got {type(op_cls).__name__}")
-            target_name = name if name is not None else cls.__name__
-            if target_name in ("CustomOp", "PluggableLayer"):
-                raise RegistrationError(
-                    "register_oot on the base class needs name=: the in-tree class name to override"
-                )
-            _register_oot(op_cls, target_name)
-            return op_cls
-
-        if _op_cls is None:
-            return decorator
-        return decorator(_op_cls)
-
-
-class CustomOp(_Swappable):
-    """One operation with a pure-PyTorch `forward_native` and optional per-platform fast paths."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.forward_method_name = self._choose_forward_method()
-        self._forward_method: Callable[..., Any] = getattr(self, self.forward_method_name)
+        self.use_forward("forward_native")
 
-    def _choose_forward_method(self) -> str:
-        layer_config = get_current_layer_config()
-        op_name = getattr(self, "op_name", None)
-        if op_name is None or not layer_config.op_enabled(op_name):
-            return "forward_native"
-        method = "forward_oot" if self.is_oot else platforms.current_platform.forward_method
-        # A class without its own fast path runs forward_native; report that, not the delegating stub.
-        overridden = getattr(type(self), method, None) is not getattr(CustomOp, method, None)
-        return method if overridden else "forward_native"
-
-    def extra_repr(self) -> str:
-        return f"forward={self.forward_method_name}"
+    def use_forward(self, method: str) -> None:
+        """Run `method` as this layer's forward (the resolver's choice)."""
+        self.forward_method_name = method
+        self._forward_method: Callable[..., Any] = getattr(self, method)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward_method(*args, **kwargs)
@@ -224,14 +168,20 @@ class CustomOp(_Swappable):
     def forward_native(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} has no forward_native")
 
-    def forward_cpu(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward_native(*args, **kwargs)
+    @classmethod
+    def supports(cls, *args: Any, **kwargs: Any) -> str | None:
+        """Why this implementation cannot serve a layer built with these arguments, or None when it can.
+        The resolver asks before it picks a platform's implementation; the reference serves every layer."""
+        return None
 
-    def forward_cuda(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward_native(*args, **kwargs)
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every weight is in place, before the first forward. A layer that
+        wants its weights in another form (a kernel's packed layout, a derived scale) builds it here, so the
+        forward never does that work. The default has nothing to do."""
 
-    def forward_oot(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward_native(*args, **kwargs)
+    def forward_detail(self) -> str | None:
+        """What the forward runs beyond its method's name, where loading decided it (a fused kernel)."""
+        return None
 
     def example_inputs(
         self, num_tokens: int, generator: torch.Generator, dtype: torch.dtype
@@ -239,26 +189,78 @@ class CustomOp(_Swappable):
         """Random argument tuples covering this op's call forms (`strata layers --verify` feeds them)."""
         raise NotImplementedError(f"{type(self).__name__} has no example_inputs")
 
+    def extra_repr(self) -> str:
+        return f"forward={self.forward_method_name}"
 
-class PluggableLayer(_Swappable):
-    """A composite layer (built from CustomOps and Linears) that can be swapped as a whole."""
+    @classmethod
+    def register(cls, name: str) -> Callable[[T], T]:
+        """`@CustomOp.register("rms_norm")`: define op `name` by this class (its `forward_native` is the
+        reference)."""
 
-    forward_method_name = "forward"
+        def decorator(op_cls: T) -> T:
+            if not (isinstance(op_cls, type) and issubclass(op_cls, cls)):
+                raise RegistrationError(f"@{cls.__name__}.register({name!r}) needs a {cls.__name__} subclass")
+            _register_op(op_cls, name)
+            return op_cls
+
+        return decorator
+
+    @classmethod
+    def register_oot(cls, _op_cls: T | None = None, *, name: str | None = None) -> Any:
+        """Register a plugin override of op class `name` (default: the class this is called on).
+
+        `@RMSNorm.register_oot`, `@RMSNorm.register_oot()`, `@CustomOp.register_oot(name="RMSNorm")`
+        and `CustomOp.register_oot(MyNorm, name="RMSNorm")` all work.
+        """
+
+        def decorator(op_cls: T) -> T:
+            target = name if name is not None else cls.__name__
+            if target in ("CustomOp", "PluggableLayer", "RegisteredLayer"):
+                raise RegistrationError(
+                    "register_oot on the base class needs name=: the registered class name to override"
+                )
+            return register_oot(op_cls, target)
+
+        return decorator if _op_cls is None else decorator(_op_cls)
+
+
+M = TypeVar("M", bound=RegisteredLayer)
+
+
+class CustomOp(RegisteredLayer):
+    """One operation: a pure-PyTorch `forward_native` and, in subclasses, per-platform fast paths."""
+
+
+class PluggableLayer(RegisteredLayer):
+    """A composite layer (built from CustomOps and Linears), replaced as a whole by a platform or plugin;
+    its `forward_native` composes its sublayers, each of which runs its own resolved forward."""
+
+
+def reference_of(module: RegisteredLayer) -> RegisteredLayer:
+    """A new instance of `module`'s op reference class, built with its arguments, its registered sublayers
+    turned into their references too, holding its weights: what `module` must compute."""
+    args, kwargs = module.init_args
+    reference = construct(op_registry[module.op_name].reference, *args, **kwargs)
+    for name, child in module.named_children():
+        if isinstance(child, RegisteredLayer):
+            setattr(reference, name, reference_of(child))
+    reference.load_state_dict(module.state_dict(), strict=False)
+    return reference
 
 
 def describe_layers(model: nn.Module) -> list[dict[str, str]]:
     """Every registered layer inside `model`: path, op name, provider, class and the forward in use."""
     rows = []
     for path, module in model.named_modules():
-        if isinstance(module, _Swappable):
-            cls = type(module)
+        if isinstance(module, RegisteredLayer):
+            detail = module.forward_detail()
             rows.append(
                 {
                     "module": path,
-                    "op": getattr(module, "op_name", cls.__name__),
+                    "op": module.op_name,
                     "provider": module.provider,
-                    "class": f"{cls.__module__}.{cls.__qualname__}",
-                    "forward": module.forward_method_name,
+                    "class": _path(type(module)),
+                    "forward": module.forward_method_name + (f" ({detail})" if detail else ""),
                 }
             )
     return rows
@@ -273,4 +275,4 @@ def summarize_layers(rows: list[dict[str, str]]) -> str:
             or "none"
         )
 
-    return f"{len(rows)} replaced; by provider: {counts('provider')}; by op: {counts('op')}"
+    return f"{len(rows)} layers; by provider: {counts('provider')}; by op: {counts('op')}"

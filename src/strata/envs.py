@@ -47,7 +47,7 @@ def use_hw_agnostic_default() -> bool:
 
 def prepack_weights_default() -> bool:
     """STRATA_PREPACK_WEIGHTS: keep a second, GEMM-ready copy of CPU linear weights for prefill and batches
-    over 8 rows (about 1.3x faster there, twice the linear weights' memory); on by default."""
+    (faster there, at the cost of a second copy of the linear weights' memory); on by default."""
     return _get_bool("STRATA_PREPACK_WEIGHTS", True)
 
 

@@ -1,5 +1,5 @@
 """`LLM(compile=True)`: compiled and eager engines agree, one Dynamo graph serves every batch size, identical
-pieces compile once (with `LayerName`), the str path never shares a name-holding piece, passes fire.
+pieces compile once, the layer's name reaches only its attention call, the platform's passes fire.
 
 Compiling costs seconds on two cores, so each compiled engine is built once per module.
 """
@@ -19,6 +19,7 @@ from strata.compilation import backend
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.compilation.passes import traced_value
 from strata.config import CompilationConfig, ConfigError
+from strata.platforms.cpu.inductor import inductor_code
 from strata.worker.model_runner import ModelOutput
 
 pytestmark = pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
@@ -72,21 +73,19 @@ def _pass_counts(llm: LLM) -> dict[str, int]:
     return compiled.passes.counts
 
 
-# (model, layer_impl, use_layer_name, fuse_kv_write_into_attention, mode)
+# (model, layer_impl, use_layer_name, mode)
 CASES = [
-    ("bundled", "default", True, True, "model"),
-    ("bundled", "hw-agnostic", True, True, "model"),
-    ("llama", "default", True, True, "model"),
-    ("qwen3", "hw-agnostic", True, True, "model"),
-    ("bundled", "default", False, True, "model"),  # str names, fused: one pattern per layer
-    ("bundled", "default", False, False, "model"),  # str names, unfused: every piece holds its layer's name
-    ("llama", "default", True, False, "model"),  # LayerName, unfused: the write's name is a piece input
-    ("bundled", "default", True, True, "layer"),  # one decoder layer traced once, reused by all
-    ("qwen3", "default", True, False, "layer"),
-    ("bundled", "default", False, False, "layer"),  # str names: each layer its own frame and graph
-    ("gemma3", "default", True, False, "layer"),  # sliding and full layers: one trace per kind
+    ("bundled", "default", True, "model"),
+    ("bundled", "hw-agnostic", True, "model"),
+    ("llama", "default", True, "model"),
+    ("qwen3", "hw-agnostic", True, "model"),
+    ("bundled", "default", False, "model"),  # str names: constants of the attention calls, between the pieces
+    ("bundled", "default", True, "layer"),  # one decoder layer traced once, reused by all
+    ("qwen3", "default", True, "layer"),
+    ("bundled", "default", False, "layer"),  # str names: each layer its own frame and graph
+    ("gemma3", "default", True, "layer"),  # sliding and full layers: one trace per kind
 ]
-Case = tuple[str, str, bool, bool, str]
+Case = tuple[str, str, bool, str]
 # The CPU decode-attention kernels, alone or with the cache write: a decode step calls one of them per layer.
 DECODE_KERNELS = {"strata_cpu::paged_decode_attention", "strata_cpu::decode_attention_with_kv_write"}
 
@@ -101,7 +100,7 @@ def runs(
 
     def get(case: Case) -> dict[str, Any]:
         if case not in cache:
-            model, layer_impl, use_layer_name, fuse, mode = case
+            model, layer_impl, use_layer_name, mode = case
             folder = str(bundled_model_dir if model == "bundled" else tiny_model_dir(model))
             kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "layer_impl": layer_impl}
             if (model, layer_impl, use_layer_name) not in eager:
@@ -125,7 +124,6 @@ def runs(
                     compilation_config={
                         "mode": mode,
                         "use_layer_name": use_layer_name,
-                        "passes": {"fuse_kv_write_into_attention": fuse},
                         "use_cache": False,
                         "evaluate_guards": True,  # so a batch size that needed a recompile would get one
                     },
@@ -162,53 +160,46 @@ def test_one_dynamo_graph_serves_every_batch_size_and_layer(
     llm = runs(case)["llm"]
     # Prefill of three prompts, decode batches of 3, 2 and 1: still the first graph(s), no recompilation.
     # In "layer" mode with str names each layer is its own frame by design: one graph per layer.
-    per_layer_frames = case[4] == "layer" and not case[2]
-    graphs = _num_layers(llm) if per_layer_frames else _layer_kinds(llm) if case[4] == "layer" else 1
+    per_layer_frames = case[3] == "layer" and not case[2]
+    graphs = _num_layers(llm) if per_layer_frames else _layer_kinds(llm) if case[3] == "layer" else 1
     assert _stats(llm).dynamo_graphs == graphs
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
     assert _stats(llm).dynamo_graphs == graphs
-    pieces_per_graph = 2 if case[4] == "layer" else _num_layers(llm) + 1
+    pieces_per_graph = 2 if case[3] == "layer" else _num_layers(llm) + 1
     assert _stats(llm).pieces == graphs * pieces_per_graph
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[2]], ids=lambda c: "-".join(map(str, c)))
-def test_layer_name_compiles_at_most_three_distinct_pieces(
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_a_model_of_any_depth_compiles_at_most_three_distinct_pieces(
     runs: Callable[..., dict[str, Any]], case: Any
 ) -> None:
+    """No piece holds a layer's name (it reaches only the attention calls between the pieces), so the pieces
+    between two attention calls are one graph, with `LayerName` or str names."""
     llm = runs(case)["llm"]
     assert _stats(llm).distinct_pieces <= 3
     assert _stats(llm).compiled + _stats(llm).loaded == _stats(llm).distinct_pieces
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_pieces_use_the_cpp_wrapper_unless_they_take_a_layer_name(
-    runs: Callable[..., dict[str, Any]], case: Any
-) -> None:
-    """Fused, no piece holds a layer-name op, so all compile with Inductor's C++ wrapper; unfused with
-    `LayerName`, the pieces holding the KV write take the name as an input and keep the Python wrapper (the
-    C++ one cannot pass it); with str names the name is a constant, not an input."""
-    _, _, use_layer_name, fuse, _ = case
+def test_pieces_use_the_cpp_wrapper(runs: Callable[..., dict[str, Any]], case: Any) -> None:
+    """No piece takes a layer name (which the C++ wrapper cannot pass to an op), so every piece compiles with
+    Inductor's C++ wrapper, the CPU platform's choice."""
     stats = _stats(runs(case)["llm"])
-    if fuse or not use_layer_name:
-        assert stats.compiled_cpp_wrapper == stats.compiled
-    else:
-        assert 0 < stats.compiled - stats.compiled_cpp_wrapper < stats.compiled
+    assert stats.compiled_cpp_wrapper == stats.compiled > 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_compiled_forward_calls_attention_without_the_dispatcher(
     runs: Callable[..., dict[str, Any]], case: Any
 ) -> None:
-    """Between the pieces the attention ops run as their implementations (`_EagerAttention`), as in eager
-    forwards; only the unfused KV write, inside the compiled pieces, still goes through the dispatcher."""
+    """Between the pieces the attention op runs as its implementation (`_EagerAttention`), as in eager
+    forwards: no `strata::` op goes through the dispatcher."""
     llm = runs(case)["llm"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
     ops = {event.key for event in profile.key_averages()}
     assert ops & DECODE_KERNELS  # attention ran, and the profiler saw ops
-    dispatched = {op for op in ops if op.startswith("strata::")}
-    fused = case[3]
-    assert dispatched == (set() if fused else {"strata::kv_cache_update" + ("" if case[2] else "_str")})
+    assert {op for op in ops if op.startswith("strata::")} == set()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -262,36 +253,43 @@ def test_pieces_are_called_straight_into_inductors_code(
     assert "generate" in python_calls and "custom_op_wrapper" not in python_calls
 
 
-def test_str_names_are_never_shared_between_layers(runs: Callable[..., dict[str, Any]]) -> None:
-    """With str names the KV write of each piece holds its layer's name as a constant. A piece compiled for
-    one name must never serve another layer (that would write every layer's K/V into one cache and still
-    run): each piece is distinct, and the outputs, which depend on every layer's cache, match eager."""
-    run = runs(("bundled", "default", False, False, "model"))
-    llm = run["llm"]
-    names = llm.apply_model(
-        lambda m: [m_.strata_layer_name for m_ in m.modules() if hasattr(m_, "strata_layer_name")]
-    )
-    assert all(isinstance(name, str) for name in names)
-    assert _stats(llm).distinct_pieces == _num_layers(llm) + 1
-    assert run["tokens"] == run["eager_tokens"]
-
-
 @pytest.mark.parametrize("use_layer_name", [True, False])
-def test_fusion_pass_matches_every_layer(runs: Callable[..., dict[str, Any]], use_layer_name: bool) -> None:
-    run = runs(("bundled", "default", use_layer_name, True, "model"))
+def test_each_layer_attends_through_the_one_op_with_its_own_name(
+    runs: Callable[..., dict[str, Any]], use_layer_name: bool
+) -> None:
+    """Every layer's attention is one call of `strata::attention` (`attention_str` with str names), a split
+    point of the graph taking that layer's name; the outputs, which depend on every layer's cache, match
+    eager."""
+    run = runs(("bundled", "default", use_layer_name, "model"))
     llm = run["llm"]
-    assert _pass_counts(llm)["fuse_kv_write_into_attention"] == _num_layers(llm)
-    assert run["tokens"] == run["eager_tokens"]
     names = llm.apply_model(
         lambda m: [m_.strata_layer_name for m_ in m.modules() if hasattr(m_, "strata_layer_name")]
     )
     assert all(isinstance(name, LayerName) == use_layer_name for name in names)
+    op = torch.ops.strata.attention if use_layer_name else torch.ops.strata.attention_str
+    for split, submodules in run["splits"]:
+        attended = [
+            node.args[3]
+            for call in split.graph.nodes
+            if call.op == "call_module"
+            for node in submodules[call.target].graph.nodes
+            if node.op == "call_function" and node.target == op.default
+        ]
+        if use_layer_name:
+            assert len(attended) == len(names)  # each a graph input, the name given at the call
+        else:
+            assert attended == names
+    assert run["tokens"] == run["eager_tokens"]
 
 
-def test_switched_off_pass_does_not_run(runs: Callable[..., dict[str, Any]]) -> None:
-    assert "fuse_kv_write_into_attention" not in _pass_counts(
-        runs(("bundled", "default", False, False, "model"))["llm"]
+def test_a_switched_off_pass_does_not_run(bundled_model_dir: Path) -> None:
+    llm = LLM(
+        str(bundled_model_dir),
+        skip_tokenizer_init=True,
+        compile=True,
+        compilation_config={"passes": {"group_sibling_linears": False}, "use_cache": False},
     )
+    assert list(_pass_counts(llm)) == ["fuse_residual_add_into_rms_norm"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -302,7 +300,7 @@ def test_residual_add_fuses_into_every_rms_norm(runs: Callable[..., dict[str, An
     norms the attention output, adds, then norms again: also one). The hw-agnostic norm is plain tensor
     math for Inductor to fuse itself, so there is nothing to match. Outputs: the matches-eager test."""
     run = runs(case)
-    _, layer_impl, _, _, mode = case
+    _, layer_impl, _, mode = case
     llm = run["llm"]
     if layer_impl == "hw-agnostic":
         expected = 0
@@ -321,7 +319,7 @@ def test_q_k_and_v_projections_group_into_one_linear_call(
     (q, k and v; the MLP's gate and up are one weight already). The hw-agnostic layers use `F.linear`, which
     Inductor sees through, so there is nothing to group. Outputs: the matches-eager test."""
     run = runs(case)
-    _, layer_impl, _, _, mode = case
+    _, layer_impl, _, mode = case
     llm = run["llm"]
     per_graph = 1 if mode == "layer" else _num_layers(llm)
     expected = 0 if layer_impl == "hw-agnostic" else per_graph * _stats(llm).dynamo_graphs
@@ -333,8 +331,8 @@ def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
 ) -> None:
     """Frame reuse across layers is only sound when the name is an input: with str names every layer must
     get its own trace (a reused str frame would bake the first layer's name into every layer)."""
-    shared = runs(("bundled", "default", True, True, "layer"))
-    per_layer = runs(("bundled", "default", False, False, "layer"))
+    shared = runs(("bundled", "default", True, "layer"))
+    per_layer = runs(("bundled", "default", False, "layer"))
     assert _stats(shared["llm"]).dynamo_graphs == 1
     assert _stats(per_layer["llm"]).dynamo_graphs == _num_layers(per_layer["llm"])
     assert shared["tokens"] == per_layer["tokens"] == shared["eager_tokens"]
@@ -343,7 +341,7 @@ def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
 def _piece_sources(llm: LLM) -> list[str]:
     """The generated source of each distinct piece compiled so far (with the C++ wrapper, its C++ is in it)."""
     pieces = llm.engine.runner.compiled.backend._pieces.values()
-    codes = [backend.inductor_code(piece) for piece in pieces]
+    codes = [inductor_code(piece) for piece in pieces]
     assert codes and all(code is not None for code in codes)
     return [Path(code.__globals__["__file__"]).read_text() for code in codes]
 
@@ -364,7 +362,7 @@ def test_after_the_first_step_the_graph_is_called_without_dynamos_code(
     compiled._trace = lambda *args: trace_calls.append(args) or trace(*args)
     tokens, logits = _run(llm)
     assert trace_calls == []
-    reference = runs(("bundled", "default", True, True, "model"))
+    reference = runs(("bundled", "default", True, "model"))
     assert tokens == reference["tokens"]
     # The reference engine's record goes on with other tests' steps: its first steps are the ones to match.
     for direct, through_dynamo in zip(logits, reference["logits"][: len(logits)], strict=True):
@@ -377,7 +375,7 @@ def test_inductor_options_reach_every_piece(
     """`inductor_compile_config` reaches Inductor for every piece: on two threads Inductor's own loops are
     OpenMP loops, with `cpp.threads` 1 they are serial. Both compute as eager does."""
     threads(2)  # with one, Inductor never parallelises a loop anyway
-    eager = runs(("bundled", "default", True, True, "model"))
+    eager = runs(("bundled", "default", True, "model"))
     for options, parallel in (({}, True), ({"cpp.threads": 1}, False)):
         llm = LLM(
             str(bundled_model_dir),

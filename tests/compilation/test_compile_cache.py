@@ -18,7 +18,7 @@ from strata.compilation.compiler import cache_key
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.config import CompilationConfig, ConfigError, EngineConfig, ModelConfig
 from strata.entrypoints.llm import default_model
-from strata.layers import cpu_kernels
+from strata.platforms.cpu import kernels as cpu_kernels
 
 PROMPT = {"prompt_token_ids": [1, 43, 47, 90, 61]}
 PARAMS = SamplingParams(temperature=0, max_tokens=8)
@@ -138,7 +138,7 @@ def test_layer_name_wraps_a_string() -> None:
     assert LayerName("a") != LayerName("b") and LayerName("a") != "a"
     with pytest.raises(TypeError, match="LayerName value"):
         LayerName(3)  # type: ignore[arg-type]
-    assert torch.ops.strata.kv_cache_update_str.default._schema.arguments[2].type.str() == "str"
+    assert torch.ops.strata.attention_str.default._schema.arguments[3].type.str() == "str"
 
 
 @pytest.mark.skipif(not HAS_OPAQUE_TYPE, reason="needs PyTorch opaque types (>= 2.11)")
@@ -166,7 +166,7 @@ def test_instruction_set_check_is_recorded_and_reused(
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
 
-    from strata.compilation import warmup
+    from strata.platforms.cpu import inductor as warmup
 
     monkeypatch.setenv("STRATA_CACHE_ROOT", str(tmp_path))
     monkeypatch.setattr(inductor_config.cpp, "vec_isa_ok", None)

@@ -13,6 +13,7 @@ from torch import fx, nn
 
 from strata.compilation.backend import CompiledGraph, GraphCallRecorder
 from strata.compilation.compiler import derive_direct_forward
+from strata.platforms import get_platform
 
 
 def _graph_body(weight: torch.Tensor, ids: torch.Tensor, tokens: int, keep: torch.Tensor) -> Any:
@@ -21,7 +22,7 @@ def _graph_body(weight: torch.Tensor, ids: torch.Tensor, tokens: int, keep: torc
 
 @pytest.fixture
 def graph() -> CompiledGraph:
-    return CompiledGraph(fx.symbolic_trace(_graph_body), {})
+    return CompiledGraph(fx.symbolic_trace(_graph_body), {}, get_platform("cpu"))
 
 
 @pytest.fixture

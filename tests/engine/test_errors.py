@@ -119,3 +119,14 @@ def test_mixture_of_experts_checkpoint_errors_name_the_expert(
     extra = with_tensors("extra", add_expert)
     with pytest.raises(ValueError, match=r"experts\.7\.w2\.weight .* for expert 7 of 4"):
         LLM(str(extra), skip_tokenizer_init=True)
+
+
+def test_device_errors_name_the_platforms(tiny_model_dir: Callable[[str], Path]) -> None:
+    folder = str(tiny_model_dir("llama"))
+    with pytest.raises(ConfigError, match=r"device 'tpu' names no platform; known: cpu, cuda"):
+        LLM(folder, skip_tokenizer_init=True, device="tpu")
+    with pytest.raises(ConfigError, match="device must be a string"):
+        LLM(folder, skip_tokenizer_init=True, device=0)  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="the cuda platform is not available on this machine"):
+            LLM(folder, skip_tokenizer_init=True, device="cuda:0")

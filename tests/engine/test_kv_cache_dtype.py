@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from strata import LLM, SamplingParams
 from strata.config import CacheConfig, ConfigError
-from strata.layers import cpu_kernels
+from strata.platforms.cpu import kernels as cpu_kernels
 
 from stories260k import PROMPT, PROMPT_IDS
 
@@ -31,9 +31,9 @@ def reference(bundled_model_dir: Path) -> AutoModelForCausalLM:
 def test_a_16_bit_cache_moves_logprobs_only_by_its_rounding(
     reference: AutoModelForCausalLM, monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str, kernels: bool
 ) -> None:
-    llm = LLM(kv_cache_dtype=kv_cache_dtype)
-    if not kernels:  # what STRATA_DISABLE_CPU_KERNELS=1 does to the attention backend
+    if not kernels:  # what STRATA_DISABLE_CPU_KERNELS=1 does
         monkeypatch.setattr(cpu_kernels, "load", lambda name: False)
+    llm = LLM(kv_cache_dtype=kv_cache_dtype)
     caches = llm.engine.runner.kv_caches.values()
     assert {cache.dtype for cache in caches} == {getattr(torch, kv_cache_dtype)}
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1, prompt_logprobs=1)

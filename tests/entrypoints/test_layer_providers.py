@@ -30,14 +30,15 @@ def _run(llm: LLM, prompt: list[int]) -> tuple[list[int], list[dict[int, float]]
 
 
 def _expected_providers(layer_impl: str) -> dict[str, str]:
-    norm = "hw-agnostic" if layer_impl == "hw-agnostic" else "default"
+    layers = "hw-agnostic" if layer_impl == "hw-agnostic" else "cpu"
     return {
-        "rms_norm": norm,
-        "gemma_rms_norm": norm,
-        "silu_and_mul": norm,
-        "gelu_and_mul": norm,
-        "linear": norm,
-        "glu_mlp": "default",
+        "rms_norm": layers,
+        "gemma_rms_norm": layers,
+        "silu_and_mul": layers,
+        "gelu_and_mul": layers,
+        "linear": layers,
+        "glu_mlp": layers,
+        "attention": "cpu",  # the platform's attention backend, whichever layers
     }
 
 
@@ -73,14 +74,22 @@ def test_default_and_hw_agnostic_agree(
         assert ops["rms_norm"] + ops["gemma_rms_norm"] >= 2 * num_layers + 1
         by_path = {row["module"]: row for row in rows}
         mlp = by_path["model.layers.0.mlp"]
-        assert mlp["class"] == "strata.layers.mlp.GluMLP"
-        # The default layers run a SiLU or tanh-GELU MLP as one op where the CPU has the panels for it.
-        fused = {f"forward (strata_cpu::linear_glu, {act})" for act in ("silu", "gelu_tanh")}
-        assert mlp["forward"] in ({"forward"} | fused if impl == "default" else {"forward"})
+        assert mlp["class"] == (
+            "strata.platforms.cpu.layers.CpuGluMLP"
+            if impl == "default"
+            else "strata.hw_agnostic.layers.mlp.GluMLP"
+        )
+        # The CPU platform runs a SiLU or tanh-GELU MLP as one op where the CPU has the panels for it.
+        fused = {f"forward_cpu (strata_cpu::linear_glu, {act})" for act in ("silu", "gelu_tanh")}
+        assert mlp["forward"] in ({"forward_cpu"} | fused if impl == "default" else {"forward_native"})
         act = by_path["model.layers.0.mlp.act_fn"]
         assert act["forward"] == ("forward_cpu" if impl == "default" else "forward_native")
         assert act["class"].startswith(
-            "strata.hw_agnostic.layers." if impl == "hw-agnostic" else "strata.layers."
+            "strata.hw_agnostic.layers." if impl == "hw-agnostic" else "strata.platforms.cpu.layers."
+        )
+        assert (
+            by_path["model.layers.0.self_attn"]["class"]
+            == "strata.platforms.cpu.attention.CpuAttentionBackend"
         )
 
 
@@ -91,8 +100,9 @@ def test_two_engines_keep_their_own_providers(bundled_model_dir: Path) -> None:
     )
     assert {row["provider"] for row in hw.layer_providers() if row["op"] == "rms_norm"} == {"hw-agnostic"}
     default_rows = default.layer_providers()
-    assert {row["provider"] for row in default_rows if row["op"] == "rms_norm"} == {"default"}
-    assert {row["forward"] for row in default_rows if row["op"] != "glu_mlp"} == {"forward_native"}
+    # custom_ops="none" keeps every op on its reference.
+    assert {row["provider"] for row in default_rows if row["op"] == "rms_norm"} == {"hw-agnostic"}
+    assert {row["forward"] for row in default_rows if row["op"] != "attention"} == {"forward_native"}
     params = SamplingParams(temperature=0.0, max_tokens=8)
     assert hw.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].text == (
         default.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].text
@@ -108,10 +118,10 @@ def test_env_default_and_start_log(
     monkeypatch.setenv("STRATA_USE_HW_AGNOSTIC", "1")
     llm = LLM(str(bundled_model_dir), max_model_len=32, max_num_seqs=1)
     assert llm.engine.config.layer_config.layer_impl == "hw-agnostic"
-    assert {row["provider"] for row in llm.layer_providers()} == {"hw-agnostic", "default"}
+    assert {row["provider"] for row in llm.layer_providers()} == {"hw-agnostic", "cpu"}  # cpu: attention
     assert (
-        "layers (layer_impl=hw-agnostic): 52 replaced; by provider: default 5, hw-agnostic 47; "
+        "layers (layer_impl=hw-agnostic, platform cpu): 52 layers; by provider: hw-agnostic 52; "
         "by op: glu_mlp 5, linear 31, rms_norm 11, silu_and_mul 5" in caplog.messages
     )
     explicit = LLM(str(bundled_model_dir), max_model_len=32, max_num_seqs=1, layer_impl="default")
-    assert {row["provider"] for row in explicit.layer_providers()} == {"default"}
+    assert {row["provider"] for row in explicit.layer_providers()} == {"cpu"}

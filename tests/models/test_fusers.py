@@ -18,7 +18,9 @@ from transformers.pytorch_utils import Conv1D
 from strata.config import LayerConfig, ModelConfig
 from strata.custom_op import CustomOp, PluggableLayer
 from strata.models.transformers.fusers import WeightTarget, fuse_layers, match_glu, match_rms_norm
+from strata.models.transformers.layers import LayerResolver
 from strata.models.transformers.loader import WeightLoadError, build_model
+from strata.platforms import get_platform
 
 from tiny_models import TINY_CONFIGS
 
@@ -78,7 +80,9 @@ def test_glu_mlps_are_recognised_by_what_they_compute() -> None:
 def test_every_norm_and_glu_is_replaced(
     arch: str, layer_impl: str, tiny_model_dir: Callable[[str], Path]
 ) -> None:
-    model, _ = build_model(ModelConfig(str(tiny_model_dir(arch))), LayerConfig(layer_impl=layer_impl))
+    model, _ = build_model(
+        ModelConfig(str(tiny_model_dir(arch))), LayerConfig(layer_impl=layer_impl), get_platform("cpu")
+    )
     leftovers = [
         path
         for path, module in model.named_modules()
@@ -110,7 +114,7 @@ def test_every_norm_and_glu_is_replaced(
 
 def test_merged_gate_up_holds_the_checkpoint_tensors(tiny_model_dir: Callable[[str], Path]) -> None:
     folder = tiny_model_dir("llama")
-    model, _ = build_model(ModelConfig(str(folder)), LayerConfig())
+    model, _ = build_model(ModelConfig(str(folder)), LayerConfig(), get_platform("cpu"))
     checkpoint = load_file(folder / "model.safetensors")
     merged = model.get_parameter("model.layers.1.mlp.gate_up_proj.weight")
     expected = torch.cat(
@@ -123,8 +127,8 @@ def test_weight_mapping_follows_renamed_weights() -> None:
     model = nn.Sequential()
     model.add_module("norm", ScaleNorm(8))
     model.add_module("mlp", LlamaMLP(TINY_CONFIGS["llama"]()))
-    mapping = fuse_layers(model)
-    assert type(model.norm).__name__ == "RMSNorm" and model.norm.weight.is_meta
+    mapping = fuse_layers(model, LayerResolver(LayerConfig(), get_platform("cpu")))
+    assert model.norm.op_name == "rms_norm" and model.norm.weight.is_meta
     assert mapping["norm.scale"] == WeightTarget("norm.weight")
     assert mapping["mlp.gate_proj.weight"] == WeightTarget("mlp.gate_up_proj.weight", 0, 2)
     assert mapping["mlp.up_proj.weight"] == WeightTarget("mlp.gate_up_proj.weight", 1, 2)
@@ -142,4 +146,4 @@ def test_a_missing_shard_is_named(tmp_path: Path, tiny_model_dir: Callable[[str]
     with pytest.raises(
         WeightLoadError, match=r"missing tensors: model\.layers\.0\.mlp\.gate_up_proj\.weight"
     ):
-        build_model(ModelConfig(str(broken)))
+        build_model(ModelConfig(str(broken)), LayerConfig(), get_platform("cpu"))

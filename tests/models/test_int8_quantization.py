@@ -16,7 +16,7 @@ from strata import LLM, SamplingParams
 from strata.config import ConfigError
 from strata.custom_op import CustomOp, RegistrationError, unregister_oot
 from strata.entrypoints.cli import main
-from strata.layers.quantization import Int8Linear
+from strata.hw_agnostic.layers import Int8Linear, Linear
 from strata.models.transformers.layers import verify_layers
 
 STEPS = 48
@@ -63,7 +63,7 @@ def test_int8_llama_agrees_with_float32(
     assert agree >= 0.9, agree
     assert diff < 0.1, diff
     rows = int8.layer_providers()
-    provider = "hw-agnostic" if layer_impl == "hw-agnostic" else "default"
+    provider = "hw-agnostic" if layer_impl == "hw-agnostic" else "cpu"
     # 3 layers x (q, k, v, o, gate_up, down) + the untied LM head.
     assert Counter(r["provider"] for r in rows if r["op"] == "int8_linear") == {provider: 19}
 
@@ -122,9 +122,14 @@ def test_plugin_overrides_int8_linear(tiny_model_dir: Callable[[str], Path]) -> 
     llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2), use_tqdm=False)
     assert CountingInt8Linear.calls > 0
 
-    class NotInt8(torch.nn.Module):
-        def __init__(self, *args: object) -> None:
-            super().__init__()
+    class NotAModule:
+        pass
+
+    with pytest.raises(RegistrationError, match="NotAModule"):
+        CustomOp.register_oot(NotAModule, name="Int8Linear")
+
+    class NotInt8(Linear):  # a registered layer, but without Int8Linear's interface
+        pass
 
     CustomOp.register_oot(NotInt8, name="Int8Linear")
     try:

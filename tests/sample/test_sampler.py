@@ -10,6 +10,7 @@ import torch
 
 from strata.engine.sequence import Request
 from strata.engine.sequence import Sequence as EngineSequence
+from strata.platforms import get_platform
 from strata.sample import Sampler, SamplingMetadata, SamplingRow
 from strata.sample import sampler as sampler_module
 from strata.sample.sampler import _apply_penalties
@@ -523,6 +524,6 @@ def test_greedy_is_what_the_sampler_samples_for_plain_greedy_rows(dtype: torch.d
     params = [SamplingParams(temperature=0, min_tokens=1)] * 5
     metadata = build(params, 300, outputs=[[1]] * 5, eos=[0])
     expected = Sampler()(logits, metadata).sampled_token_ids
-    for sampler in (Sampler(), Sampler(cpu_kernel=True)):
+    for sampler in (Sampler(), Sampler(argmax=get_platform("cpu").argmax_rows)):
         assert sampler.greedy(logits) == expected
     assert expected[1] == 7 and expected[2] == 40

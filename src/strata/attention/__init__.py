@@ -1,1 +1,1 @@
-
+"""Paged attention: the one attention op, its forward context and metadata, and the backends."""

@@ -1,14 +1,13 @@
 """The per-step state that attention reads: set before a forward pass, cleared after.
 
 The HF modeling code calls attention with only tensors and a layer name, so everything else the paged
-attention needs (this step's metadata and each layer's KV cache) travels through this module-level context,
-the same way vLLM and nano-vllm do it. Keeping it out of the op's arguments is what lets one traced graph
-serve every layer and every batch.
+attention needs (this step's metadata, each layer's KV cache and the backend that runs it) travels through
+this module-level context, the same way vLLM and nano-vllm do it. Keeping it out of the op's arguments is
+what lets one traced graph serve every layer and every batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,39 +42,12 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-# A layer's attention step with this step's metadata already bound: (query, key, value, kv_cache, scale,
-# softcap, sliding_window) -> the contiguous output [num_tokens, H, Dv], this step's K/V written to the cache.
-WriteAndAttend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float, int], torch.Tensor
-]
-
-
-def bind_step_arguments(
-    write_and_attend: Callable[..., torch.Tensor], *step_arguments: Any
-) -> WriteAndAttend:
-    """`write_and_attend(query, key, value, kv_cache, *step_arguments, scale, softcap, sliding_window)` with
-    this step's arguments bound: a backend's function with the step's metadata, or a kernel with its tensors."""
-
-    def bound(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        scale: float,
-        softcap: float,
-        sliding_window: int,
-    ) -> torch.Tensor:
-        return write_and_attend(query, key, value, kv_cache, *step_arguments, scale, softcap, sliding_window)
-
-    return bound
-
-
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: dict[str, torch.Tensor]  # layer name -> [2, num_blocks, block_size, num_kv_heads, head_dim]
-    # Every layer's write-then-attend this step, chosen by the backend once per step (`ops.bind_write_and_attend`).
-    write_and_attend: WriteAndAttend | None = None
+    attn_backend: Any = None  # the engine's `AttentionBackend`
+    attn_step: Any = None  # what `attn_backend.prepare_step(attn_metadata)` returned for this step
 
 
 _forward_context: ForwardContext | None = None
@@ -90,17 +62,23 @@ def get_forward_context() -> ForwardContext:
 
 
 class set_forward_context:  # named as a function: it is used as one, `with set_forward_context(...):`
-    """Makes a step's metadata, caches and `write_and_attend` the current forward context, and restores the
-    one before on exit. A class rather than a generator context manager: it is entered once per step right
-    after the weights have streamed through the caches, where contextlib's machinery costs microseconds."""
+    """Makes a step's metadata, caches and attention backend the current forward context (the backend
+    prepares its step state here, once for all layers), and restores the one before on exit. A class rather
+    than a generator context manager: it is entered once per step, where contextlib's machinery costs
+    microseconds."""
 
     def __init__(
         self,
         attn_metadata: AttentionMetadata | None,
         kv_caches: dict[str, torch.Tensor],
-        write_and_attend: WriteAndAttend | None = None,
+        attn_backend: Any = None,
     ) -> None:
-        self.context = ForwardContext(attn_metadata, kv_caches, write_and_attend)
+        step = (
+            attn_backend.prepare_step(attn_metadata)
+            if attn_backend is not None and attn_metadata is not None
+            else None
+        )
+        self.context = ForwardContext(attn_metadata, kv_caches, attn_backend, step)
 
     def __enter__(self) -> ForwardContext:
         global _forward_context

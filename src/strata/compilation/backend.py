@@ -2,20 +2,18 @@
 
 Dynamo hands the backend one FX graph of the whole forward. The backend
 
-1. runs Strata's fusion passes on it (`passes.PassManager`),
-2. splits it at every attention op (`split_module`): attention runs as the eager custom op, everything
-   between two attention calls is a piece,
+1. runs the platform's graph passes on it (`passes.PassManager`),
+2. splits it at every attention call (the split points of `layer_name.split_points`): attention runs as the
+   eager op, everything between two attention calls is a piece,
 3. keys each piece by a hash of its graph (node names and placeholder names canonicalised, constants
    included) and its input metadata, and compiles each distinct key once with Inductor; pieces with the
    same key share the compiled callable,
 4. stores each compiled piece under the cache directory (atomic rename), so a second start loads them
    instead of compiling.
 
-The KV-cache write (`strata::kv_cache_update`) is in the pieces unless the fusion pass moved it into the
-attention op. With `LayerName` its name is an input of the piece, so every "between two attentions" piece
-hashes the same and a model of any depth compiles at most three distinct pieces. With `str` names the name
-is a constant of the piece, so the key differs per layer: each layer compiles its own piece, and a piece
-compiled for one layer's name can never serve another layer.
+The attention op writes the layer's KV cache and attends in one call, so no piece holds a layer's name:
+every "between two attentions" piece hashes the same and a model of any depth compiles at most three
+distinct pieces.
 
 The backend returns a `CompiledGraph`, which `torch.compile(...).aot_compile` can serialise together with
 Dynamo's bytecode and guards: the saved form is the graph after the passes plus each piece's key, and loading
@@ -43,30 +41,31 @@ import torch.fx as fx
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch.fx.passes.split_module import split_module
 
-from strata.attention.ops import ATTENTION_OPS
-from strata.compilation.layer_name import OpaqueBase
+from strata.compilation.layer_name import OpaqueBase, split_points
 from strata.compilation.passes import PassManager, traced_value
+from strata.platforms import Platform
 
 logger = logging.getLogger("strata.compilation")
 
-_ATTENTION_IMPLS = {overload: op.impl for op in ATTENTION_OPS for overload in op.overloads}
+# Split-point op overload -> its Python implementation (filled as the ops are registered).
+_SPLIT_POINTS = split_points()
 
 # Inductor settings for every piece (`CompilationConfig.inductor_compile_config` adds to or overrides them).
 # Its size, stride and alignment checks on each input and each custom-op output are Python calls that
-# evaluate symbolic sizes on every run: at batch 1 they cost about as much as a layer's attention
-# (SmolLM-135M decode 55 -> 61-65 tok/s without them). The shapes they check are fixed by the trace and the
-# ops' fake implementations, which the tests compare with eager.
+# evaluate symbolic sizes on every run: at batch 1 they cost about as much as a layer's attention. The
+# shapes they check are fixed by the trace and the ops' fake implementations, which the tests compare with
+# eager.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "alignment_asserts": False}
 
 
-def piece_options(inputs: Sequence[Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Inductor settings for one piece: `INDUCTOR_OPTIONS` and the engine's `overrides`, with the C++ wrapper
-    for a CPU piece that takes no opaque value. The C++ wrapper calls the piece's ops without a Python line
-    between them (a third less overhead per piece call at batch 1), but it cannot pass an opaque value such
-    as a `LayerName` to an op, which a piece takes when the KV write is not fused into attention."""
-    on_cpu = all(value.device.type == "cpu" for value in inputs if isinstance(value, torch.Tensor))
-    opaque = any(isinstance(value, OpaqueBase) for value in inputs)
-    return {**INDUCTOR_OPTIONS, **overrides, "cpp_wrapper": on_cpu and not opaque}
+def piece_options(inputs: Sequence[Any], platform: Platform, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Inductor settings for one piece: `INDUCTOR_OPTIONS`, the platform's, then the engine's `overrides`.
+    Inductor's C++ wrapper calls a piece's ops without a Python line between them, but it cannot pass an
+    opaque value such as a `LayerName` to an op: a piece taking one keeps the Python wrapper."""
+    options = {"cpp_wrapper": False, **INDUCTOR_OPTIONS, **platform.inductor_options(), **overrides}
+    if any(isinstance(value, OpaqueBase) for value in inputs):
+        options["cpp_wrapper"] = False
+    return options
 
 
 @dataclass
@@ -83,7 +82,7 @@ class CompileStats:
 
 
 def is_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in _ATTENTION_IMPLS
+    return node.op == "call_function" and node.target in _SPLIT_POINTS
 
 
 def is_piece(submodule: fx.GraphModule) -> bool:
@@ -146,8 +145,8 @@ def _split(gm: fx.GraphModule) -> fx.GraphModule:
 def _sizes_from_tensor_inputs(call: fx.Node, piece: fx.GraphModule) -> None:
     """Make a piece read each size it takes as an int input (the token count) from a tensor input that has it.
 
-    Inductor's C++ wrapper turns every int input into a new tensor on each call (about 6 us each, two per
-    piece at batch 1); a size read from a tensor costs nothing. `call` is the piece's call in the split graph,
+    Inductor's C++ wrapper turns every int input into a new tensor on each call; a size read from a tensor
+    costs nothing. `call` is the piece's call in the split graph,
     whose arguments lose the inputs the piece no longer takes.
     """
     placeholders = [node for node in piece.graph.nodes if node.op == "placeholder"]
@@ -215,53 +214,14 @@ class _CompiledPiece(torch.nn.Module):
         return self.compiled(*args)
 
 
-# The wrappers between a `standalone_compile` artifact (fresh or loaded) and Inductor's `CompiledFxGraph` that
-# `inductor_code` steps over, by code name. For a piece traced for inference none changes what it computes.
-_PASS_THROUGH_WRAPPERS = frozenset(
-    {
-        "CacheCompiledArtifact._load_impl.<locals>.<lambda>",  # packs the arguments into a list
-        "DisableContext.__call__.<locals>._fn",  # keeps Dynamo off during the call
-        "aot_module_simplified.<locals>.forward",  # prepends lifted parameters: required to be none
-        "_create_runtime_wrapper.<locals>.runtime_wrapper",  # grad mode, first-call op checks, output views
-    }
-)
-
-
-def inductor_code(artifact: Any) -> Callable[[list[Any]], Any] | None:
-    """The code Inductor generated for a CPU piece, callable on a list of inputs; None for any other artifact.
-
-    `standalone_compile`'s artifact reaches that code through AOTAutograd's runtime wrapper and Inductor's
-    `CompiledFxGraph.__call__`: about 10 us a call together, a tenth of a small piece at batch 1. The path is
-    followed only through the known `_PASS_THROUGH_WRAPPERS`; any other wrapper (one that adds inputs, say)
-    leaves the piece on its artifact. Tests check that the pinned torch's artifacts are recognised.
-    """
-    from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
-    from torch._inductor.output_code import CompiledFxGraph
-
-    fn = getattr(artifact, "_compiled_fn", None)
-    for _ in range(len(_PASS_THROUGH_WRAPPERS) + 2):
-        if isinstance(fn, CompiledFxGraph):
-            return fn.current_callable if set(fn.device_types) <= {"cpu"} else None
-        if isinstance(fn, SerializableCompiledFunction):  # calls `compiled_fn`, keeps a way to save it
-            fn = fn.compiled_fn
-            continue
-        code = getattr(fn, "__code__", None)
-        if code is None or code.co_qualname not in _PASS_THROUGH_WRAPPERS:
-            return None
-        free = dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ()), strict=True))
-        if free.get("params_buffers_flat"):
-            return None
-        fn = getattr(fn, "__wrapped__", None) or free.get("compiled_fn")
-    return None
-
-
 class _PieceCall:
     """How the runtime graph calls a compiled piece: the first call through its artifact (whose runtime wrapper
-    checks the custom ops on a first call), later calls straight into `inductor_code` where it is found."""
+    checks the custom ops on a first call), later calls straight into its generated code where the platform
+    can call that directly (`Platform.fast_piece_call`)."""
 
-    def __init__(self, artifact: Callable[..., Any]) -> None:
+    def __init__(self, artifact: Callable[..., Any], platform: Platform) -> None:
         self.artifact = artifact
-        self.code = inductor_code(artifact)
+        self.code = platform.fast_piece_call(artifact)
         self.first = True
 
     def __call__(self, *args: Any) -> Any:
@@ -277,10 +237,12 @@ class StrataBackend:
     def __init__(
         self,
         pass_manager: PassManager,
+        platform: Platform,
         cache_dir: Path | None,
         inductor_options: dict[str, Any] | None = None,
     ) -> None:
         self.pass_manager = pass_manager
+        self.platform = platform
         self.cache_dir = cache_dir
         self.inductor_options = inductor_options or {}
         self.stats = CompileStats()
@@ -298,7 +260,7 @@ class StrataBackend:
         compiler.run(*example_inputs)
         self.stats.seconds += time.perf_counter() - start
         self.log_summary()
-        return CompiledGraph(split, compiler.piece_keys)
+        return CompiledGraph(split, compiler.piece_keys, self.platform)
 
     def log_summary(self) -> None:
         logger.info(
@@ -349,7 +311,7 @@ class StrataBackend:
             return self.load_piece(key)
         self.stats.pieces += 1
         self.stats.distinct_pieces += 1
-        options = piece_options(inputs, self.inductor_options)
+        options = piece_options(inputs, self.platform, self.inductor_options)
         artifact = standalone_compile(
             piece, inputs, dynamic_shapes="from_tracing_context", options={"config_patches": options}
         )
@@ -369,7 +331,7 @@ class _EagerAttention:
     """An attention submodule of the split graph run as its op's Python implementation.
 
     The split graph runs outside any trace, so the custom op's dispatcher round trip and the submodule's own
-    GraphModule call buy nothing there (about 8 us a layer a step together); eager forwards skip them the
+    GraphModule call buy nothing there but time, per layer and step; eager forwards skip them the
     same way (`LayerNameOp.__call__`). The submodule stays in the saved graph.
     """
 
@@ -394,7 +356,7 @@ def _eager_attention(submodule: torch.nn.Module) -> Callable[..., Any]:
         return submodule
     if any(isinstance(arg, fx.Node) and arg.op != "placeholder" for arg in calls[0].args):
         return submodule
-    return _EagerAttention(_ATTENTION_IMPLS[calls[0].target], calls[0], placeholders)
+    return _EagerAttention(_SPLIT_POINTS[calls[0].target], calls[0], placeholders)
 
 
 class CompiledGraph(SerializableCallable):
@@ -406,11 +368,11 @@ class CompiledGraph(SerializableCallable):
     `StrataBackend.loading`.
     """
 
-    def __init__(self, split: fx.GraphModule, piece_keys: dict[str, str]) -> None:
+    def __init__(self, split: fx.GraphModule, piece_keys: dict[str, str], platform: Platform) -> None:
         self.split = split
         self.piece_keys = piece_keys
         children = {
-            name: _PieceCall(module.compiled) if name in piece_keys else _eager_attention(module)
+            name: _PieceCall(module.compiled, platform) if name in piece_keys else _eager_attention(module)
             for name, module in split.named_children()
         }
         self.runtime = fx.GraphModule(children, split.graph)
@@ -423,7 +385,7 @@ class CompiledGraph(SerializableCallable):
 
     def run(self, args: Sequence[Any]) -> Any:
         """The split graph's generated code on `args`: `nn.Module.__call__` and the GraphModule's traceback
-        wrapper cost 10-20 us a step with the caches cold, and there are no hooks to run."""
+        wrapper cost time every step, and there are no hooks to run."""
         return self.runtime.forward(*args)
 
     @classmethod
@@ -456,7 +418,7 @@ class CompiledGraph(SerializableCallable):
         for name, key in state["keys"].items():
             setattr(split, name, _CompiledPiece(backend.load_piece(key)))
         split.recompile()
-        return cls(split, state["keys"])
+        return cls(split, state["keys"], backend.platform)
 
 
 @dataclass

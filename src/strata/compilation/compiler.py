@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
-from strata import __version__, envs
+from strata import __version__
 from strata.compilation.backend import (
     INDUCTOR_OPTIONS,
     CompiledGraph,
@@ -26,11 +26,9 @@ from strata.compilation.backend import (
     StrataBackend,
     _save_atomically,
 )
-from strata.compilation.layer_name import LayerName
-from strata.compilation.passes import PassManager, build_passes
-from strata.config import FUSION_PASSES, ConfigError, EngineConfig
-from strata.layers import cpu_kernels
-from strata.models.transformers.attention import LAYER_NAME_ATTR
+from strata.compilation.layer_name import LAYER_NAME_ATTR, LayerName
+from strata.compilation.passes import PassManager
+from strata.config import ConfigError, EngineConfig
 from strata.process_local import ProcessLocal
 
 logger = logging.getLogger("strata.compilation")
@@ -39,6 +37,7 @@ logger = logging.getLogger("strata.compilation")
 def cache_key(config: EngineConfig) -> str:
     """What decides whether compiled pieces on disk fit this engine, beyond each piece's own graph hash."""
     compilation = config.compilation_config
+    platform = config.platform
     parts = {
         "model": config.model_config.hf_config.to_json_string(use_diff=False),
         "dtype": str(config.model_config.torch_dtype),
@@ -48,11 +47,13 @@ def cache_key(config: EngineConfig) -> str:
         "layers": [config.layer_config.layer_impl, config.layer_config.custom_ops],
         "mode": compilation.mode,
         "use_layer_name": compilation.use_layer_name,
-        "passes": [name for name in FUSION_PASSES if compilation.pass_enabled(name)],
+        "passes": [name for name in platform.graph_passes() if compilation.pass_enabled(name)],
         "device": config.device,
-        # The traced graph calls the kernels' ops where they load, with the schemas their sources define.
-        "cpu_kernels": None if envs.disable_cpu_kernels() else cpu_kernels.sources_digest(),
-        "inductor": sorted({**INDUCTOR_OPTIONS, **compilation.inductor_compile_config}.items()),
+        # The traced graph calls the platform's kernel ops, with the schemas their sources define.
+        "platform": platform.compile_cache_key(),
+        "inductor": sorted(
+            {**INDUCTOR_OPTIONS, **platform.inductor_options(), **compilation.inductor_compile_config}.items()
+        ),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -227,7 +228,7 @@ class DirectForward:
     module tree (about 270 attribute chains for a 30-layer model) and the sizes the graph takes. After the
     first step none of that changes but the three inputs and their sizes, so the list is built once
     (`template`) and only those are put in (`inputs`: argument position, which input, and its dimension, or
-    None for the tensor itself). 108 us a step of stories15M's at batch 1 went there, with cold caches.
+    None for the tensor itself). At batch 1 the prologue is a visible share of a small model's step.
     """
 
     graph: CompiledGraph
@@ -338,8 +339,7 @@ class CompiledForward:
 
     Guards are checked when a trace is chosen: in mode "model" on the first step, in mode "layer" on each
     layer's first call. After that nothing a guard checks can change (the token count is unbacked, the
-    weights and names are fixed per engine), so evaluating them every step (about 1 ms a step for a small
-    model) would only cost time; `evaluate_guards` keeps them on every call, to prove that in tests.
+    weights and names are fixed per engine), so evaluating them every step would only cost time; `evaluate_guards` keeps them on every call, to prove that in tests.
     For the same reason, in mode "model" the steps after the first call the graph without the trace's Dynamo
     code (`DirectForward`); mode "layer" still runs it for each layer.
     """
@@ -347,9 +347,10 @@ class CompiledForward:
     def __init__(self, model: nn.Module, config: EngineConfig) -> None:
         compilation = config.compilation_config
         cache_dir = Path(compilation.cache_dir) / cache_key(config) if compilation.use_cache else None
-        layer_names = [getattr(m, LAYER_NAME_ATTR) for m in model.modules() if hasattr(m, LAYER_NAME_ATTR)]
-        self.passes = PassManager(build_passes(layer_names, compilation.pass_enabled))
-        self.backend = StrataBackend(self.passes, cache_dir, compilation.inductor_compile_config)
+        platform = config.platform
+        passes = {name: p for name, p in platform.graph_passes().items() if compilation.pass_enabled(name)}
+        self.passes = PassManager(passes)
+        self.backend = StrataBackend(self.passes, platform, cache_dir, compilation.inductor_compile_config)
         self.model = model
         self.evaluate_guards = compilation.evaluate_guards
 

@@ -6,10 +6,11 @@ type, PyTorch >= 2.11) the name becomes an input of the graph, every layer trace
 compiled artifact serves them all.
 
 Whether an engine uses it is part of its `CompilationConfig` (`use_layer_name`), not a process-wide flag:
-an op schema is fixed when it is registered, so every layer-name op is registered twice at import, once
-taking `LayerNameType` and once taking `str` (`LayerNameOp`), and the name a call site passes picks the
-variant. The model build encodes names as its config asks, so engines with different settings share a
-process.
+an op schema is fixed when it is registered, so a layer-name op is registered twice at import, once taking
+`LayerNameType` and once taking `str` (`LayerNameOp`), and the name a call site passes picks the variant.
+The model build encodes names as its config asks, so engines with different settings share a process.
+A layer-name op may be a split point of compiled graphs (`splits_graph`): the piecewise backend runs it
+eagerly between the compiled pieces (`split_points`).
 """
 
 from __future__ import annotations
@@ -74,34 +75,46 @@ def resolve_layer_name(name: str | LayerName) -> str:
     return name.value if isinstance(name, LayerName) else name
 
 
+# The attribute of an attention module that holds its encoded layer name (`encode_layer_name`).
+LAYER_NAME_ATTR = "strata_layer_name"
+
+# Overloads of the layer-name ops that split compiled graphs -> their Python implementations.
+_split_points: dict[Any, Callable[..., Any]] = {}
+
+
+def split_points() -> dict[Any, Callable[..., Any]]:
+    """The op overloads compiled graphs are split at, with the implementation each runs eagerly."""
+    return _split_points
+
+
 class LayerNameOp:
     """A custom op that takes a layer name, registered in both forms: `strata::<name>` takes `LayerNameType`
     and `strata::<name>_str` takes `str`. Calling it picks the form from the name's type, so call sites
-    only encode names and never choose ops.
+    only encode names and never choose ops. With `splits_graph`, compiled graphs are split at its calls.
     """
 
-    def __init__(self, name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    def __init__(
+        self, name: str, impl: Callable[..., Any], fake: Callable[..., Any], splits_graph: bool = False
+    ) -> None:
         self.name = name
         self.impl = impl
         self.with_layer_name = _register(name, impl, fake, LayerName if HAS_OPAQUE_TYPE else str)
         self.with_str = _register(f"{name}_str", impl, fake, str)
         self._name_index = list(inspect.signature(impl).parameters).index("layer_name")
+        if splits_graph:
+            _split_points.update(dict.fromkeys(self.overloads, impl))
 
     @property
     def overloads(self) -> tuple[Any, Any]:
         """Both variants' default overloads: the targets FX graphs hold."""
         return self.with_layer_name._opoverload, self.with_str._opoverload
 
-    def variant(self, layer_name: str | LayerName) -> Any:
-        """The overload a call with this name goes through (pattern passes match on it)."""
-        return self.overloads[0] if isinstance(layer_name, LayerName) else self.overloads[1]
-
     def __call__(self, *args: Any) -> Any:
         if not torch.compiler.is_compiling():
             # Eager forwards run the implementation directly: the dispatcher round trip of a Python custom
             # op costs tens of microseconds per layer per step and only matters to the compiler.
             return self.impl(*args)
-        return self.variant(args[self._name_index])(*args)
+        return self.overloads[0 if isinstance(args[self._name_index], LayerName) else 1](*args)
 
 
 def _register(name: str, impl: Callable[..., Any], fake: Callable[..., Any], name_type: type) -> Any:

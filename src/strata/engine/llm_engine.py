@@ -66,10 +66,7 @@ class LLMEngine:
             self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
-        self.sampler = Sampler(
-            torch.Generator().manual_seed(model_config.seed),
-            cpu_kernel=self.runner.device.type == "cpu",
-        )
+        self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed), config.platform.argmax_rows)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._token_text_cache: dict[int, str] = {}
@@ -158,7 +155,7 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. `step` reports it after every step it advances, or with `final_output_only`
         only in the step that finishes it (vLLM's `RequestOutputKind.FINAL_ONLY`, what `LLM.generate`
-        asks for: a snapshot per step of every request costs about 5-30 us each that nobody reads)."""
+        asks for: a snapshot per step of every request would cost time nobody reads it for)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")

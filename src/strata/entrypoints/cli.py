@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from strata import __version__
 from strata.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
@@ -22,9 +23,21 @@ def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to load and where: the model, its dtype and quantization, the device."""
     parser.add_argument("--model", default=None, help="local model folder (default: the bundled stories260K)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
+    add_quantization_argument(parser)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="the platform to run on: cpu, cuda, cuda:N, or a plugin's platform (default: cpu)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """`add_model_arguments`, the cache and compilation options, and the layer options."""
+    add_model_arguments(parser)
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
@@ -35,30 +48,46 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="dtype the KV cache stores keys and values in (default: auto, the model's dtype)",
     )
-    add_quantization_argument(parser)
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="torch.compile the model forward, piecewise (default: STRATA_COMPILE, off)",
     )
+    add_layer_arguments(parser)
+
+
+def llm_from_args(args: argparse.Namespace, model: str | None, **options: Any) -> Any:
+    """The `LLM` the options of `add_engine_arguments` ask for (`options` add to them)."""
+    from strata.entrypoints.llm import LLM
+
+    return LLM(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
+        compile=args.compile,
+        quantization=args.quantization,
+        **layer_config_kwargs(args),
+        **options,
+    )
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    _add_engine_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--prompt", default="Once upon a time", help="text to continue")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
-    add_layer_arguments(parser)
     parser.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from strata.entrypoints.llm import LLM
     from strata.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -68,17 +97,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        compile=args.compile,
-        quantization=args.quantization,
-        **layer_config_kwargs(args),
-    )
-    engine = llm.engine
+    engine = llm_from_args(args, args.model).engine
     request = engine.add_request(args.prompt, params)
     out = sys.stdout
     out.write(args.prompt)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from strata.attention.backend import describe_attention
 from strata.config import (
     CacheConfig,
     CompilationConfig,
@@ -58,7 +59,8 @@ def _compilation_config(
 
 
 class LLM:
-    """Generate text from prompts with a local Hugging Face model folder (the bundled model by default)."""
+    """Generate text from prompts with a local Hugging Face model folder (the bundled model by default), on
+    the platform `device` names ("cpu", "cuda", "cuda:1", or a plugin's)."""
 
     def __init__(
         self,
@@ -102,8 +104,6 @@ class LLM:
         }
         if kv_cache_memory is not None:
             cache_kwargs["kv_cache_memory"] = kv_cache_memory
-        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-            raise ConfigError(f"device must be 'cpu' or an available 'cuda' device, got {device!r}")
         self.engine = LLMEngine(
             EngineConfig(
                 model_config=model_config,
@@ -198,9 +198,11 @@ class LLM:
         return self.engine.apply_model(fn)
 
     def layer_providers(self) -> list[dict[str, str]]:
-        """Each replaced layer of the model: module path, op, provider (default, hw-agnostic or
-        oot:<plugin>), implementation class and the forward method in use."""
-        return self.engine.apply_model(describe_layers)
+        """Each replaced layer of the model, then each attention layer: module path, op, provider
+        (hw-agnostic, the platform's name or oot:<plugin>), implementation class and the forward in use."""
+        runner = self.engine.runner
+        names = [spec.name for spec in runner.layers]
+        return self.engine.apply_model(describe_layers) + describe_attention(names, runner.attn_backend)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

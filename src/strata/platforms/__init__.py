@@ -1,38 +1,67 @@
-"""The platform Strata runs on: it decides which `forward_<platform>` method an enabled CustomOp uses.
+"""The platforms Strata runs on, by name: the CPU and CUDA in tree, more from plugins.
 
-`current_platform` is CUDA when torch sees a GPU, else CPU; a plugin may install its own platform with
-`set_current_platform(Platform("chip", forward_method="forward_oot"))` from its `register()`.
+`get_platform(device)` is how the engine finds the platform for a device string ("cpu", "cuda:1", or a
+plugin's name); a plugin adds its own with `register_platform` from its `register()`. See `interface.py`
+for what a platform provides and `cpu/`, `cuda/` for the two in tree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from strata.platforms.interface import Platform, ThreadPolicy
 
-import torch
-
-
-@dataclass(frozen=True)
-class Platform:
-    """A device family; `forward_method` is the CustomOp method its enabled ops call."""
-
-    name: str
-    forward_method: str
+__all__ = ["Platform", "PlatformError", "ThreadPolicy", "get_platform", "platform_names", "register_platform"]
 
 
-CPU = Platform(name="cpu", forward_method="forward_cpu")
-CUDA = Platform(name="cuda", forward_method="forward_cuda")
+class PlatformError(ValueError):
+    """A device names no registered platform, or a platform is registered twice or malformed."""
 
 
-def detect_platform() -> Platform:
-    return CUDA if torch.cuda.is_available() else CPU
+_platforms: dict[str, Platform] = {}
 
 
-current_platform: Platform = detect_platform()
-
-
-def set_current_platform(platform: Platform) -> None:
-    """Install an out-of-tree platform (from a plugin's `register()`); layers built afterwards use it."""
-    global current_platform
+def register_platform(platform: Platform) -> None:
+    """Make `platform` available under its name (`LLM(device=platform.name)`)."""
     if not isinstance(platform, Platform):
-        raise TypeError(f"platform must be a strata.platforms.Platform, got {type(platform).__name__}")
-    current_platform = platform
+        raise PlatformError(
+            f"register_platform needs a strata.platforms.Platform, got {type(platform).__name__}"
+        )
+    for attribute in ("name", "device_type", "forward_method"):
+        if not isinstance(getattr(platform, attribute, None), str):
+            raise PlatformError(
+                f"platform {type(platform).__qualname__} must set the class attribute {attribute}"
+            )
+    if ":" in platform.name:
+        raise PlatformError(f"platform name {platform.name!r} must not contain ':'")
+    previous = _platforms.get(platform.name)
+    if previous is not None and type(previous) is not type(platform):
+        raise PlatformError(
+            f"platform {platform.name!r} is registered twice: {type(previous).__qualname__} and "
+            f"{type(platform).__qualname__}"
+        )
+    _platforms[platform.name] = platform
+
+
+def _register_in_tree() -> None:
+    if "cpu" not in _platforms:
+        from strata.platforms.cpu import CpuPlatform
+        from strata.platforms.cuda import CudaPlatform
+
+        register_platform(CpuPlatform())
+        register_platform(CudaPlatform())
+
+
+def platform_names() -> list[str]:
+    """The names of the registered platforms (load plugins first to include theirs)."""
+    _register_in_tree()
+    return sorted(_platforms)
+
+
+def get_platform(device: str) -> Platform:
+    """The platform a device string names: its part before any ':' ("cuda" for "cuda:1")."""
+    _register_in_tree()
+    if not isinstance(device, str):
+        raise PlatformError(f"device must be a string such as 'cpu', got {type(device).__name__}")
+    platform = _platforms.get(device.partition(":")[0])
+    if platform is None:
+        raise PlatformError(f"device {device!r} names no platform; known: {', '.join(sorted(_platforms))}")
+    return platform

@@ -9,11 +9,11 @@ the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from strata.layers import cpu_kernels
 from strata.sample.metadata import SamplingMetadata
 from strata.sampling_params import SamplingParams
 
@@ -44,30 +44,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-# Logit dtypes whose rows go to Strata's argmax kernel (`float()` is a no-op for float32).
-_KERNEL_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 class Sampler:
     """Samples the next token of every row in a batch from its logits."""
 
-    def __init__(self, generator: torch.Generator | None = None, cpu_kernel: bool = False) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         # Engine-wide generator (LLM(seed=...)) for rows without their own; None uses torch's default.
         self.generator = generator
-        # Strata's CPU argmax for logits on the CPU; decided (and built) once, by the engine.
-        self.cpu_argmax = cpu_kernel and cpu_kernels.load("argmax")
-
-    def _argmax(self, values: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax, lowest id on ties: ATen's reduction, or Strata's float32 kernel (ten times
-        faster). Half-precision rows are widened for it first, which is exact, so ties and NaNs fall the same
-        way: a 49152-wide bf16 row then takes about 30 us where ATen's argmax takes 220."""
-        if self.cpu_argmax and values.device.type == "cpu" and values.dtype in _KERNEL_ARGMAX_DTYPES:
-            return torch.ops.strata_cpu.argmax_rows(values.float())
-        return values.argmax(dim=-1)
+        # Each row's argmax, lowest id on ties: the platform's (`Platform.argmax_rows`), else ATen's.
+        self._argmax = argmax or (lambda values: values.argmax(dim=-1))
 
     def greedy(self, logits: torch.Tensor) -> list[int]:
         """Each row's argmax: what `__call__` samples for rows that are all `plain_greedy`, without building
-        their metadata (30-39 us of a 4 ms batch-1 step in place, stories15M shape)."""
+        their metadata, which is a noticeable share of a small model's batch-1 step."""
         return self._argmax(logits).tolist()
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -84,7 +76,7 @@ class Sampler:
             raise ValueError(
                 f"logits must have at least vocab_size={metadata.vocab_size} columns, got {logits.shape[1]}"
             )
-        # A slice costs 2 us a step; most models' logits have no padding columns.
+        # Most models' logits have no padding columns: skip the slice, which costs a tensor.
         work = logits if logits.shape[1] == metadata.vocab_size else logits[:, : metadata.vocab_size]
         if work.dtype != torch.float32 or _modifies_logits(metadata):
             # A fresh float32 copy: the stages below work in place and must not touch the caller's logits.

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from strata import host_memory
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
-from strata.attention.ops import bind_write_and_attend, prepare_backend
 from strata.compilation.compiler import CompiledForward
-from strata.compilation.warmup import InductorWarmup
 from strata.config import ConfigError, EngineConfig
-from strata.engine.scheduler import ScheduledSequence
 from strata.models.transformers.loader import build_model
-from strata.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger("strata.worker")
 
@@ -30,6 +27,29 @@ logger = logging.getLogger("strata.worker")
 _DEFAULT_FREE_MEMORY_FRACTION = 0.25
 # Views a staging buffer keeps for reuse: decode steps use a handful of shapes, prefill lengths come and go.
 _MAX_STAGED_VIEWS = 64
+
+
+class ScheduledSequenceState(Protocol):
+    """What the runner reads of a scheduled sequence (the engine's `Sequence`)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_prompt_tokens: int
+    needs_prompt_logprobs: bool
+
+
+class ScheduledWork(Protocol):
+    """One sequence's share of a step (the engine's `ScheduledSequence`): `num_tokens` tokens from `start`,
+    and whether a token is sampled after them."""
+
+    seq: ScheduledSequenceState
+    num_tokens: int
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def samples(self) -> bool: ...
 
 
 @dataclass
@@ -51,10 +71,9 @@ class ModelOutput:
 
 class StagingBuffer:
     """A reused 1-D host tensor for one per-step input, with its views by shape. Filling it through its numpy
-    view and returning a view made at an earlier step costs about a microsecond where a fresh
-    `torch.tensor(list)` costs about 4, and a slice or reshape of a tensor 2. A batch-1 step's preparation
-    (stories15M shape) went from 72 to 14 us run in a loop, and from 78-130 to 64-66 us in place, right after
-    a decode step has streamed the weights through the caches. Grows when a step needs more room.
+    view and returning a view made at an earlier step is several times cheaper than a fresh
+    `torch.tensor(list)` or a slice of a tensor, which matters at batch 1, where a step's preparation is a
+    visible share of the step. Grows when a step needs more room.
 
     An inference tensor, as the engine's step creates its tensors: the compiled forward's guards see the
     same kind of tensor either way."""
@@ -100,32 +119,33 @@ class StepStaging:
 
 
 class ModelRunner:
+    """Builds the model on the engine's platform, owns its KV cache and runs one step at a time. Everything
+    that depends on the hardware (kernels, the attention backend, memory, threads) it asks the platform."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.platform = platform = config.platform
+        self.device = config.torch_device
         self.block_size = config.cache_config.block_size
         self.model: nn.Module
+        platform.prepare()
         compilation = config.compilation_config
-        warmup = InductorWarmup() if compilation.compile and self.device.type == "cpu" else None
+        wait_for_warmup = platform.start_compile_warmup() if compilation.compile else None
         self.model, self.layers = build_model(
-            config.model_config, config.layer_config, bool(compilation.use_layer_name)
+            config.model_config, config.layer_config, platform, bool(compilation.use_layer_name)
         )
         self.model.to(self.device)
         self.compiled: CompiledForward | None = None
         if compilation.compile:
-            if warmup is not None:
-                warmup.wait()
+            if wait_for_warmup is not None:
+                wait_for_warmup()
             self.compiled = CompiledForward(self.model, config)
-        self.thread_tuner = (
-            ThreadTuner(torch.get_num_threads())
-            if config.adaptive_threads and self.device.type == "cpu" and torch.get_num_threads() > 1
-            else None
-        )
+        self.thread_policy = platform.thread_policy(bool(config.adaptive_threads))
         self._staging = StepStaging()
         self.kv_cache_dtype = config.cache_config.cache_dtype(config.model_config.torch_dtype)
+        self.attn_backend = platform.attention_backend(self.kv_cache_dtype)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
-        prepare_backend(self.device)
 
     # -- KV cache -------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -148,7 +168,8 @@ class ModelRunner:
             return num_blocks
         # Enough for every sequence slot at full length, bounded by a share of the free memory.
         wanted = self.config.scheduler_config.max_num_seqs * min_blocks
-        affordable = int(host_memory.available_bytes() * _DEFAULT_FREE_MEMORY_FRACTION) // per_block
+        free = self.platform.available_memory(self.device)
+        affordable = int(free * _DEFAULT_FREE_MEMORY_FRACTION) // per_block
         return max(min_blocks, min(wanted, affordable))
 
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
@@ -179,7 +200,7 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------------------------------
     def _prepare(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: Sequence[ScheduledWork]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         # Built as Python lists and staged into reused host buffers: per-step tensor arithmetic on a handful
         # of ints costs more in op dispatch than the lists do (the slot of position p is its block's first
@@ -225,11 +246,11 @@ class ModelRunner:
         return input_ids_t, self._on_device(staging.positions.fill(positions, (1, len(positions)))), metadata
 
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A staged host tensor as the model's device sees it: itself on the CPU, else a copy there."""
-        return host if self.device.type == "cpu" else host.to(self.device)
+        """A staged host tensor as the model's device sees it."""
+        return self.platform.to_device(host, self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> ModelOutput:
+    def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
         start = time.perf_counter()
         input_ids, positions, metadata = self._prepare(scheduled)
         rows: list[int] = []
@@ -248,15 +269,10 @@ class ModelRunner:
         if not rows:  # a step of prefill chunks only: the cache is filled, no logits are needed
             rows = [0]
         keep = self._on_device(self._staging.keep.fill(rows))
-        write_and_attend = bind_write_and_attend(metadata, self.kv_caches)
-        # torch's thread count is one per process, shared with other engines and the caller's own work: the
-        # tuner's count for this step, then the process's back (2 us a switch, and only when they differ).
-        outer = torch.get_num_threads()
-        wanted = self.thread_tuner.threads if self.thread_tuner is not None else outer
-        if wanted != outer:
-            torch.set_num_threads(wanted)
+        policy = self.thread_policy
+        threads = policy.enter() if policy is not None else None
         try:
-            with set_forward_context(metadata, self.kv_caches, write_and_attend):
+            with set_forward_context(metadata, self.kv_caches, self.attn_backend):
                 if self.compiled is not None:
                     logits = self.compiled(input_ids, positions, keep)
                 else:
@@ -264,8 +280,8 @@ class ModelRunner:
                         input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
                     ).logits[0]
         finally:
-            if wanted != outer:
-                torch.set_num_threads(outer)
-        if self.thread_tuner is not None:
-            self.thread_tuner.observe((len(scheduled), input_ids.shape[1]), time.perf_counter() - start)
+            if policy is not None:
+                policy.exit(threads)
+        if policy is not None:
+            policy.observe((len(scheduled), input_ids.shape[1]), time.perf_counter() - start)
         return ModelOutput(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)

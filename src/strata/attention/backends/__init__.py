@@ -1,0 +1,1 @@
+"""Attention backends that run on every device; platforms add their own (`strata.platforms.<name>.attention`)."""

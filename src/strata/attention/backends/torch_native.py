@@ -13,7 +13,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from strata.attention.forward_context import AttentionMetadata, WriteAndAttend, bind_step_arguments
+from strata.attention.backend import AttentionBackend
+from strata.attention.forward_context import AttentionMetadata
 
 
 def write_to_kv_cache(
@@ -50,11 +51,9 @@ def _attend(
             mask &= k_pos > q_pos - sliding_window
     if softcap <= 0:
         # Queries and keys that start together without a window (a whole prompt) are SDPA's own causal case
-        # (top-left aligned), whose CPU flash kernel then skips the blocks above the diagonal: 5.3 against
-        # 6.1 ms with the mask tensor for one SmolLM-135M layer's 512-token prompt (2 threads).
+        # (top-left aligned), whose flash kernels skip the blocks above the diagonal a mask would compute.
         causal = mask is not None and query_offset == key_offset and sliding_window <= 0
-        # With a batch axis: for 3-D inputs the CPU dispatch takes SDPA's math path, which materialises the
-        # scores (SmolLM-135M's 512-token prefill layer, 2 threads on an AVX2 EPYC: 18 ms, 5.5 ms as 4-D).
+        # With a batch axis: for 3-D inputs some dispatches take SDPA's math path, which materialises the scores.
         out = F.scaled_dot_product_attention(
             q[None],
             k[None],
@@ -203,6 +202,18 @@ def write_and_attend(
     return paged_attention(query, kv_cache, metadata, scale, softcap, sliding_window).contiguous()
 
 
-def bind_write_and_attend(metadata: AttentionMetadata, kv_cache: torch.Tensor) -> WriteAndAttend:
-    """`write_and_attend` for this step's layers (caches like `kv_cache`)."""
-    return bind_step_arguments(write_and_attend, metadata)
+class TorchNativeBackend(AttentionBackend):
+    """The reference backend: `write_and_attend` with the step's metadata, on any device."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        step: AttentionMetadata,
+        scale: float,
+        softcap: float,
+        sliding_window: int,
+    ) -> torch.Tensor:
+        return write_and_attend(query, key, value, kv_cache, step, scale, softcap, sliding_window)

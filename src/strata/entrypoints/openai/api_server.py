@@ -245,8 +245,8 @@ class _Server(uvicorn.Server):
 def freeze_startup_heap() -> int:
     """Collect the garbage of startup, then take every object alive (the engine's modules, compiled graphs,
     tokenizer) out of the cyclic garbage collector's generations (`gc.freeze`), and return how many. Each
-    full pass of the collector walks every object it tracks while the engine waits: 210 ms for the 471k
-    objects of a compiled SmolLM-135M engine (Zen 4 EPYC), none once they are frozen. Only for a process
+    full pass of the collector walks every object it tracks while the engine waits, hundreds of thousands
+    for a compiled engine, and none once they are frozen. Only for a process
     that serves one engine for its whole life: a frozen object that later becomes cyclic garbage stays."""
     start = time.perf_counter()
     gc.collect()

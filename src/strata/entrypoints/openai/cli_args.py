@@ -10,8 +10,7 @@ from pathlib import Path
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    from strata.entrypoints.cli import _add_engine_arguments
-    from strata.entrypoints.layers_cli import add_layer_arguments
+    from strata.entrypoints.cli import add_engine_arguments
 
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI API (completions, chat, streaming) on HTTP; ready when /health is 200"
@@ -19,7 +18,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder (same as --model)"
     )
-    _add_engine_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -30,7 +29,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file (or template text)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    add_layer_arguments(parser)
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -60,25 +58,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from strata import envs
     from strata.engine.async_engine import AsyncLLMEngine
-    from strata.entrypoints.layers_cli import layer_config_kwargs
-    from strata.entrypoints.llm import LLM, default_model
+    from strata.entrypoints.cli import llm_from_args
+    from strata.entrypoints.llm import default_model
     from strata.entrypoints.openai.api_server import ServerConfig, run_server
 
     num_threads = envs.num_threads_default()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     model = args.model_tag or args.model
-    llm = LLM(
-        model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        compile=args.compile,
-        quantization=args.quantization,
-        **layer_config_kwargs(args),
-    )
+    llm = llm_from_args(args, model, max_num_seqs=args.max_num_seqs)
     model_path = model if model is not None else default_model()
     names = args.served_model_name or [model if model is not None else Path(model_path).name]
     config = ServerConfig(

@@ -2,7 +2,7 @@
 
 Setting a model config's attention implementation to `"strata"` makes every HF attention module call
 `strata_attention_forward`, which reshapes HF's `[1, heads, tokens, head_dim]` tensors to the flat
-`[tokens, heads, head_dim]` layout and calls the Strata op. "strata" has no entry in transformers'
+`[tokens, heads, head_dim]` layout and calls Strata's attention op, in eager and compiled forwards alike. "strata" has no entry in transformers'
 mask interface, so HF builds no dense attention mask for this path: the paged backend masks by itself.
 """
 
@@ -15,11 +15,10 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
-from strata.attention.ops import attention_with_kv_write, kv_cache_update, unified_attention
-from strata.compilation.layer_name import encode_layer_name
+from strata.attention.ops import attention
+from strata.compilation.layer_name import LAYER_NAME_ATTR, encode_layer_name
 
 ATTN_IMPLEMENTATION = "strata"
-LAYER_NAME_ATTR = "strata_layer_name"
 
 
 def strata_attention_forward(
@@ -39,12 +38,7 @@ def strata_attention_forward(
     layer_name = getattr(module, LAYER_NAME_ATTR)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    settings = (float(scale), float(softcap or 0.0), int(sliding_window or 0))
-    if torch.compiler.is_compiling():
-        # Traced graphs keep the KV write as its own op, inside the compiled pieces, for fusion passes.
-        out = unified_attention(q, kv_cache_update(k, v, layer_name), layer_name, *settings)
-    else:
-        out = attention_with_kv_write(q, k, v, layer_name, *settings)
+    out = attention(q, k, v, layer_name, float(scale), float(softcap or 0.0), int(sliding_window or 0))
     return out.unsqueeze(0), None
 
 
@@ -58,6 +52,7 @@ class AttentionLayerSpec:
     """What the KV cache needs to know about one attention layer."""
 
     name: str
+    num_heads: int
     num_kv_heads: int
     head_dim: int
 
@@ -86,5 +81,5 @@ def name_attention_layers(model: nn.Module, use_layer_name: bool = False) -> lis
         num_kv_heads = (
             num_heads // groups if groups else getattr(module.config, "num_key_value_heads", num_heads)
         )
-        specs.append(AttentionLayerSpec(path, num_kv_heads or num_heads, head_dim))
+        specs.append(AttentionLayerSpec(path, num_heads, num_kv_heads or num_heads, head_dim))
     return specs

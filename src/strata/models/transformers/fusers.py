@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from strata.custom_op import CustomOp, PluggableLayer
-from strata.hw_agnostic.layers.activation import ACTIVATIONS
-from strata.models.transformers.layers import resolve, resolve_act_and_mul
+from strata.custom_op import RegisteredLayer
+from strata.hw_agnostic.layers.activation import ACTIVATIONS, act_and_mul_op
+from strata.models.transformers.layers import LayerResolver
 
 logger = logging.getLogger("strata.models.fusers")
 
@@ -183,38 +182,33 @@ def match_glu(module: nn.Module) -> GluMatch | None:
 
 
 class _Fuser:
-    """One model's replacement pass: resolves each layer symbol once, then swaps every match."""
+    """One model's replacement pass: builds each match's layer through the resolver, records the weights."""
 
-    def __init__(self) -> None:
-        self._symbols: dict[tuple[str, str], Callable[..., nn.Module]] = {}
-        self._act_factories: dict[str, Callable[[], nn.Module]] = {}
+    def __init__(self, resolver: LayerResolver) -> None:
+        self.resolver = resolver
         self.mapping: WeightMapping = {}
-
-    def layer(self, module: str, name: str) -> Callable[..., nn.Module]:
-        """`resolve(module, name)`, once per model, when the first match needs it (one log line each)."""
-        if (module, name) not in self._symbols:
-            self._symbols[module, name] = resolve(module, name)
-        return self._symbols[module, name]
-
-    def act_and_mul(self, act_name: str) -> nn.Module:
-        if act_name not in self._act_factories:
-            self._act_factories[act_name] = resolve_act_and_mul(act_name)
-        return self._act_factories[act_name]()
 
     def replace_norm(self, path: str, module: nn.Module, match: NormMatch) -> nn.Module:
         weight = module.get_parameter(match.weight_name)
-        norm_cls = self.layer("layernorm", "GemmaRMSNorm" if match.offset_weight else "RMSNorm")
+        op = "gemma_rms_norm" if match.offset_weight else "rms_norm"
         with torch.device("meta"):
-            new = norm_cls(weight.shape[0], match.eps, dtype=weight.dtype)
+            new = self.resolver.build(op, weight.shape[0], match.eps, dtype=weight.dtype)
         self.mapping[f"{path}.{match.weight_name}"] = WeightTarget(f"{path}.weight")
         return new
 
     def replace_glu(self, path: str, module: nn.Module, match: GluMatch) -> nn.Module:
         dtype = module.get_parameter("down_proj.weight").dtype
-        act = self.act_and_mul(match.act_name)
+        act_op, act_kwargs = act_and_mul_op(match.act_name)
         with torch.device("meta"):
-            new = self.layer("mlp", "GluMLP")(
-                match.hidden_size, match.intermediate_size, act, match.gate_up_bias, match.down_bias, dtype
+            act = self.resolver.build(act_op, **act_kwargs)
+            new = self.resolver.build(
+                "glu_mlp",
+                match.hidden_size,
+                match.intermediate_size,
+                act,
+                match.gate_up_bias,
+                match.down_bias,
+                dtype,
             )
         params = ["weight", "bias"] if match.gate_up_bias else ["weight"]
         for shard, name in enumerate(("gate_proj", "up_proj")):
@@ -225,14 +219,11 @@ class _Fuser:
         return new
 
 
-def fuse_layers(model: nn.Module) -> WeightMapping:
-    """Replace every RMSNorm and GLU MLP in `model` (parameters on meta) in place; returns the weight mapping.
-
-    Must run inside `set_current_layer_config` so the new layers see the engine's layer config.
-    """
-    fuser = _Fuser()
+def fuse_layers(model: nn.Module, resolver: LayerResolver) -> WeightMapping:
+    """Replace every RMSNorm and GLU MLP in `model` (parameters on meta) in place; returns the weight mapping."""
+    fuser = _Fuser(resolver)
     for path, module in list(model.named_modules()):
-        if not path or isinstance(module, CustomOp | PluggableLayer):
+        if not path or isinstance(module, RegisteredLayer):
             continue
         glu = match_glu(module)
         if glu is not None:
@@ -260,11 +251,10 @@ def replace_conv1d(model: nn.Module) -> WeightMapping:
     return mapping
 
 
-def replace_layer_norms(model: nn.Module) -> int:
+def replace_layer_norms(model: nn.Module, resolver: LayerResolver) -> int:
     """Replace every `nn.LayerNorm` over one dimension with learned weights in `model` (parameters on meta) by
-    the resolved `LayerNorm` layer; returns how many. Parameter names stay `weight` and `bias`, so checkpoints
+    the resolved `layer_norm` layer; returns how many. Parameter names stay `weight` and `bias`, so checkpoints
     load unchanged. Models' own LayerNorm classes (Cohere's, without a bias, in float32) stay as they are."""
-    layer_norm_cls: Callable[..., nn.Module] | None = None
     replaced = 0
     for path, module in list(model.named_modules()):
         if (
@@ -273,32 +263,33 @@ def replace_layer_norms(model: nn.Module) -> int:
             or len(module.normalized_shape) != 1
         ):
             continue
-        layer_norm_cls = layer_norm_cls or resolve("layernorm", "LayerNorm")
         with torch.device("meta"):
-            new = layer_norm_cls(
-                module.normalized_shape[0], module.eps, module.bias is not None, module.weight.dtype
+            new = resolver.build(
+                "layer_norm",
+                module.normalized_shape[0],
+                module.eps,
+                module.bias is not None,
+                module.weight.dtype,
             )
         model.set_submodule(path, new)
         replaced += 1
     return replaced
 
 
-def replace_linears(model: nn.Module) -> int:
-    """Replace every plain `nn.Linear` in `model` (parameters on meta) by the resolved `Linear` layer.
+def replace_linears(model: nn.Module, resolver: LayerResolver, op_name: str = "linear") -> int:
+    """Replace every plain `nn.Linear` in `model` (parameters on meta) by a resolved layer of `op_name`
+    ("linear", or "int8_linear" for weight-only int8); returns how many were replaced.
 
-    Parameter names stay `weight` and `bias`, so checkpoints and tied heads load unchanged. Runs after the
-    other replacements (the GLU's merged projections are `nn.Linear`s, and int8 quantization takes its own
-    pick first); must run inside `set_current_layer_config`. Returns how many were replaced.
+    Parameter names of "linear" stay `weight` and `bias`, so checkpoints and tied heads load unchanged. Runs
+    after the other replacements: the GLU's merged projections are `nn.Linear`s too.
     """
-    linear_cls: Callable[..., nn.Module] | None = None
     replaced = 0
     for path, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
-        linear_cls = linear_cls or resolve("linear", "Linear")
         with torch.device("meta"):
-            new = linear_cls(
-                module.in_features, module.out_features, module.bias is not None, module.weight.dtype
+            new = resolver.build(
+                op_name, module.in_features, module.out_features, module.bias is not None, module.weight.dtype
             )
         model.set_submodule(path, new)
         replaced += 1

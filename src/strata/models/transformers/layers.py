@@ -1,122 +1,149 @@
-"""The layer resolver: hw-agnostic first when the layer config asks for it, Strata's default otherwise.
+"""The resolver: the one place that decides which class and which forward method each layer gets.
 
-Resolution happens while a model is built, from that build's layer config (see
-`strata.config.set_current_layer_config`), so two engines in one process can use different providers.
-Each symbol falls back on its own: a hw-agnostic module or symbol that does not exist yields the default.
+For one model build (a layer config and a platform), `LayerResolver.build(op_name, *args)` chooses, in order:
+
+1. a plugin's override of the op (`register_oot`): its `forward_oot` where it defines one and the op is
+   enabled, else its `forward_native`;
+2. the op's reference (`strata.hw_agnostic.layers`, `forward_native`) when the layer config asks for
+   hw-agnostic layers, or its `custom_ops` setting disables the op;
+3. the platform's first registered implementation whose `supports(*args)` accepts the layer, running the
+   platform's `forward_<name>`;
+4. else the reference: an op without a platform implementation falls back on its own, per op.
+
+The choice is logged once per op and class, and recorded on the module (`provider`, `forward_method_name`),
+which is what the layer report shows. `verify_layers` checks each built module against its reference, and
+`verify_attention` the attention backend against the reference backend.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import pkgutil
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from strata.config import LayerConfig, get_current_layer_config
-from strata.custom_op import CustomOp, construct_in_tree, in_tree_class
-from strata.layers.activation import UnknownActivationError
+import strata.hw_agnostic.layers  # noqa: F401 (registers every op's reference)
+from strata.attention.backends.torch_native import TorchNativeBackend
+from strata.attention.verify import verify_backend
+from strata.config import LayerConfig
+from strata.custom_op import HW_AGNOSTIC, RegisteredLayer, construct, op_registry, reference_of
+from strata.models.transformers.attention import AttentionLayerSpec
+from strata.platforms import Platform
 
 logger = logging.getLogger("strata.layers")
 
-HW_AGNOSTIC_PACKAGE = "strata.hw_agnostic.layers"
-DEFAULT_PACKAGE = "strata.layers"
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What the resolver picked for a layer, and why."""
+
+    cls: type[RegisteredLayer]
+    forward_method: str
+    reason: str
 
 
-def _hw_agnostic_module(module: str, name: str) -> ModuleType | None:
-    """`strata.hw_agnostic.layers.<module>`, or None (logged) when it does not exist."""
-    path = f"{HW_AGNOSTIC_PACKAGE}.{module}"
-    try:
-        return importlib.import_module(path)
-    except ModuleNotFoundError as exc:
-        if exc.name != path:
-            raise  # the hw-agnostic module exists but is broken: a bug to see, not to hide
-        logger.info("layer %s: default (there is no hw-agnostic module %s)", name, path)
-        return None
+def _defines(cls: type, method: str) -> bool:
+    return callable(getattr(cls, method, None))
 
 
-def resolve(module: str, name: str, layer_config: LayerConfig | None = None) -> Any:
-    """`name` from `strata.hw_agnostic.layers.<module>` when hw-agnostic layers are on and it exists there,
-    else from `strata.layers.<module>`; logs which one and why."""
-    layer_config = layer_config or get_current_layer_config()
-    if not layer_config.use_hw_agnostic:
-        logger.info("layer %s: default (layer_impl=%s)", name, layer_config.layer_impl)
-    elif (hw_agnostic := _hw_agnostic_module(module, name)) is not None:
-        if hasattr(hw_agnostic, name):
-            logger.info("layer %s: hw-agnostic (%s)", name, hw_agnostic.__name__)
-            return getattr(hw_agnostic, name)
-        logger.info("layer %s: default (%s has no %s)", name, hw_agnostic.__name__, name)
-    return getattr(importlib.import_module(f"{DEFAULT_PACKAGE}.{module}"), name)
+class LayerResolver:
+    """Resolves the layers of one model build; construct it where the build starts."""
 
+    def __init__(self, layer_config: LayerConfig, platform: Platform) -> None:
+        self.layer_config = layer_config
+        self.platform = platform
+        platform.load_layers()
+        self._logged: set[tuple[str, type, str]] = set()
 
-def resolve_act_and_mul(act_name: str, layer_config: LayerConfig | None = None) -> Callable[[], nn.Module]:
-    """A factory of the act-and-mul layer for HF activation `act_name`, falling back per activation name."""
-    layer_config = layer_config or get_current_layer_config()
-    if not layer_config.use_hw_agnostic:
-        logger.info("activation %s: default (layer_impl=%s)", act_name, layer_config.layer_impl)
-    elif (hw_agnostic := _hw_agnostic_module("activation", act_name)) is not None:
-        factory = getattr(hw_agnostic, "ACT_AND_MUL", {}).get(act_name)
-        if factory is not None:
-            logger.info("activation %s: hw-agnostic", act_name)
-            return factory
-        logger.info("activation %s: default (no hw-agnostic act-and-mul layer for it)", act_name)
-    table = importlib.import_module(f"{DEFAULT_PACKAGE}.activation").ACT_AND_MUL
-    if act_name not in table:
-        raise UnknownActivationError(
-            f"activation {act_name!r} has no act-and-mul layer; known: {', '.join(sorted(table))}"
-        )
-    return table[act_name]
+    def choose(self, op_name: str, *args: Any, **kwargs: Any) -> LayerChoice:
+        """The class and forward method for a layer of op `op_name` built with these arguments."""
+        entry = op_registry[op_name]
+        enabled = self.layer_config.op_enabled(op_name)
+        oot = entry.oot
+        if oot is not None:
+            method = "forward_oot" if enabled and _defines(oot, "forward_oot") else "forward_native"
+            return LayerChoice(oot, method, "a plugin overrides it")
+        native = "forward_native"
+        if self.layer_config.use_hw_agnostic:
+            return LayerChoice(entry.reference, native, f"layer_impl={self.layer_config.layer_impl}")
+        if not enabled:
+            return LayerChoice(entry.reference, native, "custom_ops disables it")
+        platform = self.platform
+        declined = []
+        for cls in entry.implementations.get(platform.name, ()):
+            why_not = cls.supports(*args, **kwargs)
+            if why_not is None and _defines(cls, platform.forward_method):
+                return LayerChoice(cls, platform.forward_method, f"the {platform.name} platform's")
+            declined.append(f"{cls.__name__}: {why_not or f'has no {platform.forward_method}'}")
+        reason = "; ".join(declined) if declined else f"the {platform.name} platform has no implementation"
+        return LayerChoice(entry.reference, native, reason)
 
-
-def get_act_and_mul_fn(act_name: str, layer_config: LayerConfig | None = None) -> nn.Module:
-    """The resolved act-and-mul layer for HF activation `act_name`, constructed."""
-    return resolve_act_and_mul(act_name, layer_config)()
+    def build(self, op_name: str, *args: Any, **kwargs: Any) -> nn.Module:
+        """A new layer of op `op_name`, of the chosen class, running the chosen forward."""
+        choice = self.choose(op_name, *args, **kwargs)
+        key = (op_name, choice.cls, choice.forward_method)
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.info(
+                "layer %s: %s.%s (%s)", op_name, choice.cls.__qualname__, choice.forward_method, choice.reason
+            )
+        module = construct(choice.cls, *args, **kwargs)
+        module.use_forward(choice.forward_method)
+        return module
 
 
 def verify_layers(model: nn.Module, num_tokens: int = 7, seed: int = 0) -> list[dict[str, Any]]:
-    """Run every CustomOp in `model` and the hw-agnostic `forward_native` of its op on the same random
-    inputs and weights; per op: how many modules, the largest absolute difference, the reference class.
+    """Run every registered layer in `model` and its op's reference (`custom_op.reference_of`: the hw-agnostic
+    class with the same arguments and weights, composite layers' sublayers turned into theirs too) on the same
+    random inputs; per op: how many modules, the largest absolute difference, the reference class.
 
-    This catches a layer that exists but computes something else, which import-time fallback never could.
+    This catches a layer that exists but computes something else, which resolving alone never could.
     """
-    package = importlib.import_module(HW_AGNOSTIC_PACKAGE)
-    for info in pkgutil.iter_modules(package.__path__):  # importing registers the references
-        importlib.import_module(f"{HW_AGNOSTIC_PACKAGE}.{info.name}")
     generator = torch.Generator().manual_seed(seed)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     results: dict[str, dict[str, Any]] = {}
     for module in model.modules():
-        if not isinstance(module, CustomOp):
+        if not isinstance(module, RegisteredLayer):
             continue
-        ref_cls = in_tree_class(module.op_name, "hw-agnostic")
+        reference_cls = op_registry[module.op_name].reference
         row = results.setdefault(
             module.op_name,
-            {"op": module.op_name, "modules": 0, "max_abs_diff": 0.0, "reference": _class_path(ref_cls)},
+            {
+                "op": module.op_name,
+                "modules": 0,
+                "max_abs_diff": 0.0,
+                "reference": f"{reference_cls.__module__}.{reference_cls.__qualname__}",
+            },
         )
         row["modules"] += 1
-        if ref_cls is None:
-            row["max_abs_diff"] = None
-            continue
-        args, kwargs = module.init_args
-        reference = construct_in_tree(ref_cls, *args, **kwargs)
-        reference.load_state_dict(module.state_dict(), strict=False)
+        if module.provider == HW_AGNOSTIC and type(module) is reference_cls:
+            continue  # the reference itself
+        reference = reference_of(module)
         with torch.no_grad():
             for inputs in reference.example_inputs(num_tokens, generator, dtype):
                 got = module(*(t.clone() for t in inputs))
-                want = reference.forward_native(*(t.clone() for t in inputs))
+                want = reference(*(t.clone() for t in inputs))
                 for g, w in zip(_as_tuple(got), _as_tuple(want), strict=True):
                     diff = (g.float() - w.float()).abs().max().item()
                     row["max_abs_diff"] = max(row["max_abs_diff"], diff)
     return list(results.values())
 
 
+def verify_attention(backend: Any, specs: Sequence[AttentionLayerSpec], dtype: torch.dtype) -> dict[str, Any]:
+    """`verify_layers`' row for the attention layers: `backend` against the reference backend, once per
+    distinct layer shape, on random paged steps (`strata.attention.verify`)."""
+    shapes = {(spec.num_heads, spec.num_kv_heads, spec.head_dim) for spec in specs}
+    worst = max((verify_backend(backend, *shape, dtype) for shape in shapes), default=0.0)
+    return {
+        "op": "attention",
+        "modules": len(specs),
+        "max_abs_diff": worst,
+        "reference": f"{TorchNativeBackend.__module__}.{TorchNativeBackend.__qualname__}",
+    }
+
+
 def _as_tuple(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
-
-
-def _class_path(cls: type | None) -> str | None:
-    return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"

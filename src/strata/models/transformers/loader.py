@@ -34,8 +34,8 @@ except ImportError:
     get_model_conversion_mapping = None
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
-from strata.custom_op import CustomOp, PluggableLayer, describe_layers, summarize_layers
-from strata.layers.base import Int8LinearBase
+from strata.custom_op import RegisteredLayer, describe_layers, summarize_layers
+from strata.hw_agnostic.layers import Int8Linear
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
     AttentionLayerSpec,
@@ -51,12 +51,14 @@ from strata.models.transformers.fusers import (
     replace_linears,
 )
 from strata.models.transformers.hub_kernels import unwrap_hub_kernels
+from strata.models.transformers.layers import LayerResolver
 from strata.models.transformers.quantization import (
     QSCALE_SUFFIX,
     QWEIGHT_SUFFIX,
     dequantize_groups,
     quantize_linears,
 )
+from strata.platforms import Platform
 from strata.plugins import load_plugins
 
 logger = logging.getLogger("strata.models.loader")
@@ -87,15 +89,14 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def build_model(
-    model_config: ModelConfig, layer_config: LayerConfig | None = None, use_layer_name: bool = False
+    model_config: ModelConfig, layer_config: LayerConfig, platform: Platform, use_layer_name: bool = False
 ) -> tuple[nn.Module, list[AttentionLayerSpec]]:
     """Build the HF model for `model_config` with Strata attention and its weights loaded, in eval mode.
 
-    Its RMSNorms and GLU MLPs are replaced by the layers `layer_config` resolves to (see `fusers`), and with
-    `model_config.quantization` its Linear layers by int8 ones (see `quantization`);
-    `use_layer_name` makes attention layers call the `LayerName` variant of the attention op.
+    Its norms, GLU MLPs and linears are replaced by the layers the resolver picks for `layer_config` on
+    `platform` (see `fusers` and `layers`), its Linear layers by int8 ones with `model_config.quantization`;
+    `use_layer_name` makes attention layers pass `LayerName`s to the attention op.
     """
-    layer_config = layer_config or LayerConfig()
     hf_config = model_config.hf_config
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
     if model_class is None or getattr(hf_config, "is_encoder_decoder", False):
@@ -110,6 +111,7 @@ def build_model(
         )
     register_attention_interface()
     load_plugins()
+    resolver = LayerResolver(layer_config, platform)
     with set_current_layer_config(layer_config):
         with _parameters_on_meta():
             model = AutoModelForCausalLM.from_config(
@@ -117,11 +119,11 @@ def build_model(
             )
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
-        weight_mapping = {**fuse_layers(model), **replace_conv1d(model)}
-        replace_layer_norms(model)
+        weight_mapping = {**fuse_layers(model, resolver), **replace_conv1d(model)}
+        replace_layer_norms(model, resolver)
         if model_config.quantization == "int8":
-            quantize_linears(model)
-        replace_linears(model)
+            quantize_linears(model, resolver)
+        replace_linears(model, resolver)
     specs = name_attention_layers(model, use_layer_name)
     if not specs:
         raise ConfigError(
@@ -129,11 +131,14 @@ def build_model(
         )
     load_weights(model, Path(model_config.model), model_config.torch_dtype, weight_mapping)
     for module in model.modules():
-        if isinstance(module, (CustomOp, PluggableLayer)):
+        if isinstance(module, RegisteredLayer):
             module.process_weights_after_loading()
     model.eval()
     logger.info(
-        "layers (layer_impl=%s): %s", layer_config.layer_impl, summarize_layers(describe_layers(model))
+        "layers (layer_impl=%s, platform %s): %s",
+        layer_config.layer_impl,
+        platform.name,
+        summarize_layers(describe_layers(model)),
     )
     return model, specs
 
@@ -248,7 +253,7 @@ def load_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = _persistent_buffers(model)
     # `<path>.weight` of each int8 linear: the float weight its `qweight` and `scale` are quantized from.
-    int8_layers = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Int8LinearBase)}
+    int8_layers = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, Int8Linear)}
     ties = model.get_expanded_tied_weights_keys(all_submodels=True)
     tie_targets = {source: target for target, source in ties.items()}
     tied_floats: dict[str, torch.Tensor] = {}

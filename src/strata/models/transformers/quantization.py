@@ -2,9 +2,8 @@
 
 Every `nn.Linear` is replaced: attention projections, the merged gate/up and down projections the fusers
 made, and the LM head. The input embedding stays in floating point; a head tied to it gets its own int8
-copy of it (a quarter of its float32 bytes), because at batch 1 the head is the largest single matmul (21%
-of SmolLM-135M's weight bytes; measured 9.6 ms in float32, 2.2 ms in int8 on one core). Weights are
-quantized per output channel as they load.
+copy of it (a quarter of its float32 bytes), because at batch 1 the head is often the largest single
+matmul of a small model. Weights are quantized per output channel as they load.
 
 Folders stored quantized (`strata convert gguf --keep-quantized`) hold `<linear>.qweight` (int8,
 `[out, in]`) and `<linear>.qscale` (float, `[out, in / group_size]`, one scale per group of
@@ -21,9 +20,10 @@ import logging
 import torch
 from torch import nn
 
-from strata.custom_op import RegistrationError
-from strata.layers.base import Int8LinearBase
-from strata.models.transformers.layers import resolve
+from strata.custom_op import RegistrationError, op_registry
+from strata.hw_agnostic.layers import Int8Linear
+from strata.models.transformers.fusers import replace_linears
+from strata.models.transformers.layers import LayerResolver
 
 logger = logging.getLogger("strata.models.quantization")
 
@@ -35,27 +35,15 @@ class QuantizedTensorError(ValueError):
     """A quantized checkpoint tensor is malformed (dtype, shape) or lacks its partner."""
 
 
-def quantize_linears(model: nn.Module) -> int:
-    """Replace each `nn.Linear` in `model` (parameters on meta) by the resolved `Int8Linear`.
-
-    Must run inside `set_current_layer_config`, like `fuse_layers`; returns how many were replaced.
-    """
-    int8_linear = resolve("quantization", "Int8Linear")
-    replaced = 0
-    for path, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        with torch.device("meta"):
-            new = int8_linear(
-                module.in_features, module.out_features, module.bias is not None, module.weight.dtype
-            )
-        if not isinstance(new, Int8LinearBase):  # the loader quantizes through Int8LinearBase's interface
-            raise RegistrationError(
-                f"{type(new).__qualname__}, the override of Int8Linear, must subclass "
-                "strata.layers.base.Int8LinearBase"
-            )
-        model.set_submodule(path, new)
-        replaced += 1
+def quantize_linears(model: nn.Module, resolver: LayerResolver) -> int:
+    """Replace each `nn.Linear` in `model` (parameters on meta) by a resolved `int8_linear` layer; returns how
+    many were replaced. An override must keep `Int8Linear`'s interface: the loader quantizes through it."""
+    override = op_registry["int8_linear"].oot
+    if override is not None and not issubclass(override, Int8Linear):
+        raise RegistrationError(
+            f"{override.__qualname__}, the override of Int8Linear, must subclass strata.hw_agnostic.layers.Int8Linear"
+        )
+    replaced = replace_linears(model, resolver, "int8_linear")
     logger.info("int8 weight-only: %d linear layers", replaced)
     return replaced
 
