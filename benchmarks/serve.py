@@ -149,10 +149,12 @@ def table(result: dict[str, Any]) -> str:
 
 
 def launch_server(port: int) -> subprocess.Popen[str]:
-    """`strata serve` on 127.0.0.1:`port` with the bundled model; returns once /health answers."""
+    """`strata serve` on 127.0.0.1:`port` with the bundled model (OMP_NUM_THREADS 1 unless set), its output
+    on stderr; returns once /health answers."""
     process = subprocess.Popen(
         [sys.executable, "-m", "strata.entrypoints.cli", "serve", "--port", str(port)],
         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        stdout=sys.stderr,
         text=True,
     )
     deadline = time.monotonic() + 120
@@ -197,10 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=60)
-    print(json.dumps(result, indent=2))
-    print(table(result))
+    text = json.dumps(result, indent=2)
     if args.json_out is not None:
-        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        args.json_out.write_text(text + "\n")
+    print(f"{text}\n\n{table(result)}")
     return 0
 
 

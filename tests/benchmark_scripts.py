@@ -1,24 +1,24 @@
-"""Load a script of `benchmarks/` as a module, so tests can call its pieces (CI never runs a benchmark)."""
+"""Run a script of `benchmarks/` as a user does and read back its report (CI never runs a real benchmark)."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def load_benchmark(name: str) -> ModuleType:
-    """`benchmarks/<name>.py` as a fresh module; its folder is on `sys.path` while it loads, as when it runs
-    as a script, so it can import its sibling scripts."""
-    spec = importlib.util.spec_from_file_location(f"{name}_harness", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return module
+def run_benchmark(name: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """`python benchmarks/<name>.py ARGS`, which must succeed: its JSON report (the start of its stdout) and
+    the rest of its stdout (the table)."""
+    command = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args]
+    proc = subprocess.run(
+        command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
+    report, end = json.JSONDecoder().raw_decode(proc.stdout)
+    return report, proc.stdout[end:]
