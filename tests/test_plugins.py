@@ -8,7 +8,6 @@ The examples run in subprocesses: a loaded override changes every later model in
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,8 @@ from strata import LLM, SamplingParams, plugins
 from strata.custom_op import CustomOp, op_registry, unregister_oot
 from strata.hw_agnostic.layers import GluMLP, SiluAndMul
 from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
+
+from example_plugins import install_example
 
 
 @dataclass
@@ -92,8 +93,6 @@ def test_non_strict_mode_skips_a_broken_plugin(
     assert "plugin 'broken' failed to load" in caplog.text and "STRATA_PLUGINS_STRICT=0" in caplog.text
 
 
-EXAMPLE_PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "strata-example-plugin"
-
 EXAMPLE_RUN = textwrap.dedent(
     """
     import json
@@ -121,29 +120,13 @@ EXAMPLE_RUN = textwrap.dedent(
 )
 
 
-def _install_into_own_folder(package: Path, site: Path) -> Path:
-    """`package` pip-installed into the folder `site`, as a user would install it.
-
-    Installing it into the test venv itself would make it override the layers of every later `strata`
-    command run there (`make run` included); a separate site folder on PYTHONPATH keeps it to the
-    subprocess that asks for it.
-    """
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(package)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
-    return site
-
-
 @pytest.fixture(scope="module")
-def example_plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _install_into_own_folder(EXAMPLE_PLUGIN, tmp_path_factory.mktemp("plugin-site"))
+def example_plugin_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return install_example("strata-example-plugin", "strata_example", tmp_path_factory.mktemp("plugin-site"))
 
 
-def test_example_plugin_is_loaded_reported_and_executed(example_plugin_site: Path) -> None:
-    env = {**os.environ, "STRATA_PLUGINS": "strata_example", "PYTHONPATH": str(example_plugin_site)}
+def test_example_plugin_is_loaded_reported_and_executed(example_plugin_env: dict[str, str]) -> None:
+    env = example_plugin_env
     check = [
         sys.executable,
         "-c",
@@ -202,8 +185,6 @@ def test_a_plugin_activation_keeps_its_glu_mlp_unfused(tiny_model_dir: Callable[
     assert CountingSiluAndMul.calls >= 2 * len(fused)  # every MLP, in each of the two steps
 
 
-EXAMPLE_PLATFORM = Path(__file__).resolve().parents[1] / "examples" / "strata-example-platform"
-
 EXAMPLE_PLATFORM_RUN = textwrap.dedent(
     """
     import json
@@ -231,8 +212,8 @@ EXAMPLE_PLATFORM_RUN = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def example_platform_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    site = _install_into_own_folder(EXAMPLE_PLATFORM, tmp_path_factory.mktemp("platform-site"))
-    return {**os.environ, "STRATA_PLUGINS": "strata_example_platform", "PYTHONPATH": str(site)}
+    site = tmp_path_factory.mktemp("platform-site")
+    return install_example("strata-example-platform", "strata_example_platform", site)
 
 
 def test_example_platform_plugin_runs_its_ops_and_attention_backend(

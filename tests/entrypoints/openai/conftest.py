@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from remote_server import CHAT_TEMPLATE, RemoteServer
 
 from strata import LLM
+
+from remote_server import CHAT_TEMPLATE, RemoteServer
 
 
 @pytest.fixture(scope="session")

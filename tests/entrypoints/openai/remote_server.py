@@ -27,10 +27,10 @@ def free_port() -> int:
 class RemoteServer:
     """Starts `strata serve ARGS`, waits for /health, and stops it with SIGTERM."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "STRATA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        env = {**(env or os.environ), "STRATA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "strata.entrypoints.cli", "serve", "--port", str(self.port), *args],
             env=env,
@@ -64,7 +64,7 @@ class RemoteServer:
         return httpx.get(f"{self.url}/stats", timeout=10).json()
 
     def stop(self) -> int:
-        """SIGTERM, then the exit code (killing it only if it hangs)."""
+        """SIGTERM, then the exit code (killing it only if it hangs); what it printed is kept in `output`."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -74,4 +74,5 @@ class RemoteServer:
             self.process.wait()
             raise
         finally:
+            self.output = self.process.stdout.read()  # type: ignore[union-attr]
             self.process.stdout.close()  # type: ignore[union-attr]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from remote_server import RemoteServer
 
 from strata import LLM, SamplingParams
 
+from example_plugins import install_example
+from remote_server import RemoteServer
 from stories260k import PROMPT
 
 
@@ -39,3 +41,19 @@ def test_layer_impl_reaches_the_engine(compile_flag: list[str]) -> None:
         assert result.choices[0].text == expected
     finally:
         assert remote.stop() == 0
+
+
+def test_serve_on_a_plugin_platform(tmp_path: Path) -> None:
+    """`strata serve --device example` with the example platform plugin installed: the openai client gets
+    what the CPU platform generates, computed by the plugin's layers and attention backend."""
+    env = install_example("strata-example-platform", "strata_example_platform", tmp_path)
+    remote = RemoteServer("--device", "example", env=env)
+    try:
+        result = remote.client().completions.create(
+            model="stories260K", prompt=PROMPT, max_tokens=16, temperature=0
+        )
+        params = SamplingParams(temperature=0, max_tokens=16)
+        assert result.choices[0].text == LLM().generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    finally:
+        assert remote.stop() == 0
+    assert "layers (layer_impl=default, platform example)" in remote.output

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from remote_server import RemoteServer
 
 from strata import LLM, SamplingParams
 
+from remote_server import RemoteServer
 from stories260k import PROMPT, PROMPT_IDS
 
 PROMPTS = ["Once upon a time", "Lily had a dog", "The sun was", "Tom and his mom"]

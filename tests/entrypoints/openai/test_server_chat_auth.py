@@ -8,9 +8,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from remote_server import CHAT_TEMPLATE, RemoteServer
 
 from strata import LLM, SamplingParams
+
+from remote_server import CHAT_TEMPLATE, RemoteServer
 
 KEY = "sk-strata-test"
 NAME = "stories"

@@ -8,8 +8,8 @@ import signal
 
 import httpx
 import pytest
-from remote_server import RemoteServer
 
+from remote_server import RemoteServer
 from stories260k import PROMPT
 
 
