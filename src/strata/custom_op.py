@@ -31,6 +31,7 @@ from torch import nn
 logger = logging.getLogger("strata.custom_op")
 
 T = TypeVar("T", bound=type)
+M = TypeVar("M", bound="RegisteredLayer")
 
 HW_AGNOSTIC = "hw-agnostic"
 
@@ -222,9 +223,6 @@ class RegisteredLayer(nn.Module):
             return register_oot(op_cls, target)
 
         return decorator if _op_cls is None else decorator(_op_cls)
-
-
-M = TypeVar("M", bound=RegisteredLayer)
 
 
 class CustomOp(RegisteredLayer):
