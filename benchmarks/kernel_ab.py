@@ -45,7 +45,7 @@ def export_sources(revision: str | None, into: Path) -> None:
     """The kernel sources (`*.cpp`, `*.h`) of a git revision, or of the working tree when None."""
     into.mkdir(parents=True)
     if revision is None:
-        for path in kernels._csrc().iterdir():
+        for path in kernels.csrc_dir().iterdir():
             if path.suffix in (".cpp", ".h"):
                 (into / path.name).write_text(path.read_text())
         return

@@ -36,7 +36,8 @@ logger = logging.getLogger("strata.platforms.cpu")
 KERNELS = ("small_batch_linear", "rms_norm", "paged_decode_attention", "argmax")
 
 
-def _csrc() -> Path:
+def csrc_dir() -> Path:
+    """The folder of the kernels' C++ sources and headers, as installed."""
     return Path(str(resources.files("strata.platforms.cpu") / "csrc"))
 
 
@@ -79,7 +80,7 @@ def _warn_once(message: str) -> None:
 
 def _library(name: str, compiler: str) -> tuple[Path, list[str]]:
     """Where kernel `name`'s library goes, and the command that builds it (its output "TARGET")."""
-    source = _csrc() / f"{name}.cpp"
+    source = csrc_dir() / f"{name}.cpp"
     command = compile_command(compiler, source, "TARGET")
     headers = [header.read_text() for header in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
@@ -137,7 +138,7 @@ def _report_failure(name: str, error: BaseException) -> None:
 def sources_digest() -> str:
     """A hash of every kernel source and header: compiled graphs that call the kernels' ops are valid only
     for the op schemas these sources define."""
-    folder = _csrc()
+    folder = csrc_dir()
     digest = hashlib.sha256()
     for path in sorted([*folder.glob("*.cpp"), *folder.glob("*.h")]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
