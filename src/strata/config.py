@@ -335,17 +335,17 @@ def _check_inductor_options(options: Any) -> None:
 class CompilationConfig:
     """Whether and how the model forward is compiled (`torch.compile` with Strata's piecewise backend).
 
-    `use_layer_name` None takes STRATA_USE_LAYERNAME (on): layer-name ops get a `LayerName`, which compiles
-    as a graph input, so identical layers share one compiled piece. It also applies without `compile`,
-    because it selects the op variant at model build. `passes` maps a fusion pass name to on/off; passes
-    not named are on; the names are the platform's (`Platform.graph_passes`). `cache_dir` None takes STRATA_CACHE_ROOT/compile; `use_cache` None takes
-    STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward: one graph, the fastest
-    decode, but tracing time grows with depth; "layer" traces one decoder layer and reuses it for every
-    layer of the same kind, so compile time is flat in depth (embedding, head and the loop over layers stay
-    eager). Traces are saved with the compiled pieces, so a second start does neither. Guards pick the trace
-    for the first call (per layer in "layer" mode); `evaluate_guards` checks them on every call, off they
-    are skipped afterwards (nothing they check changes within an engine), which saves about a millisecond
-    a step. Tests turn it on to prove that no batch size would have needed another trace.
+    `use_layer_name` None takes STRATA_USE_LAYERNAME (on): layer-name ops get a `LayerName`, which compiles as
+    a graph input, so identical layers share one compiled piece. It also applies without `compile`, because it
+    selects the op variant at model build. `passes` maps a graph pass name to on/off; passes not named are on;
+    the names are the platform's (`Platform.graph_passes`). `cache_dir` None takes STRATA_CACHE_ROOT/compile;
+    `use_cache` None takes STRATA_DISABLE_COMPILE_CACHE. `mode` "model" (default) traces the whole forward:
+    one graph, the fastest decode, but tracing time grows with depth; "layer" traces one decoder layer and
+    reuses it for every layer of the same kind, so compile time is flat in depth (embedding, head and the loop
+    over layers stay eager). Traces are saved with the compiled pieces, so a second start does neither. Guards
+    pick the trace for the first call (per layer in "layer" mode); `evaluate_guards` checks them on every
+    call, off they are skipped afterwards (nothing they check changes within an engine), which saves time on
+    every step. Tests turn it on to prove that no batch size would have needed another trace.
     `inductor_compile_config` (vLLM's name) sets Inductor options for every piece over Strata's own
     (`compilation.backend.INDUCTOR_OPTIONS`), keyed by their `torch._inductor.config` names, for example
     `{"cpp.threads": 1}` for serial loops in Inductor's own kernels.

@@ -23,16 +23,16 @@ from strata.platforms.cpu import kernels
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _kernel_serves(kv_cache: torch.Tensor) -> bool:
-    """Whether Strata's kernels handle this cache: a dtype they read, and the kernel library built here."""
-    return kv_cache.dtype in _KERNEL_DTYPES and kernels.load("paged_decode_attention")
+def _kernel_serves(cache_dtype: torch.dtype) -> bool:
+    """Whether Strata's kernels handle caches of this dtype: one they read, and the kernel library built here."""
+    return cache_dtype in _KERNEL_DTYPES and kernels.load("paged_decode_attention")
 
 
 def write_to_kv_cache(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """`torch_native.write_to_kv_cache`'s contract, through the kernel where it can be built."""
-    if _kernel_serves(kv_cache):
+    if _kernel_serves(kv_cache.dtype):
         k_cache, v_cache = kv_cache.unbind(0)
         torch.ops.strata_cpu.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -125,7 +125,7 @@ class CpuAttentionBackend(torch_native.TorchNativeBackend):
 
     def __init__(self, kv_cache_dtype: torch.dtype) -> None:
         super().__init__(kv_cache_dtype)
-        self.kernel = kv_cache_dtype in _KERNEL_DTYPES and kernels.load("paged_decode_attention")
+        self.kernel = _kernel_serves(kv_cache_dtype)
 
     def prepare_step(self, metadata: AttentionMetadata) -> CpuStep:
         rows = KernelRows.of(metadata) if self.kernel and not metadata.is_pure_decode else None
