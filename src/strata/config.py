@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from strata import envs
+from strata.gguf_file import find_gguf
+from strata.gguf_file import load_config as load_gguf_config
 from strata.platforms import Platform, get_platform
 from strata.plugins import load_plugins
 
@@ -82,8 +84,11 @@ def _resolve_quantization(quantization: str | None, checkpoint_config: Any, fold
 
 @dataclass
 class ModelConfig:
-    """Which model to run and how: the folder, dtype, context length and weight quantization.
+    """Which model to run and how: the folder or GGUF file, dtype, context length and weight quantization.
 
+    `model` is a Hugging Face folder (config.json and safetensors) or a GGUF file (or a folder holding one),
+    whose quantized weights stay in their GGUF types; `gguf_dequantize` dequantizes, with a warning, the
+    tensors of GGUF types Strata does not compute on, which are otherwise refused.
     `quantization="int8"` replaces the model's Linear layers with int8 weight-only ones, quantized per output
     channel from the checkpoint's weights as they load; a folder stored quantized sets it by itself.
     """
@@ -95,23 +100,37 @@ class ModelConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     quantization: str | None = None
+    gguf_dequantize: bool = False
     hf_config: Any = field(init=False, repr=False)
+    gguf_file: Path | None = field(init=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         from transformers import AutoConfig
 
         path = Path(self.model)
-        if not path.is_dir():
-            raise ConfigError(f"model must be a local model folder; {self.model!r} is not a directory")
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model folder {self.model!r} has no config.json")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        try:
-            self.hf_config = AutoConfig.from_pretrained(path)
-        except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"could not read {path / 'config.json'}: {exc}") from exc
+        self.gguf_file = find_gguf(path)
+        if self.gguf_file is not None:
+            self.hf_config = load_gguf_config(self.gguf_file)
+        elif not path.is_dir():
+            raise ConfigError(
+                f"model must be a local model folder or a .gguf file; {self.model!r} is neither"
+            )
+        elif not (path / "config.json").is_file():
+            raise ConfigError(f"model folder {self.model!r} has no config.json (nor a .gguf file)")
+        else:
+            try:
+                self.hf_config = AutoConfig.from_pretrained(path)
+            except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+                raise ConfigError(f"could not read {path / 'config.json'}: {exc}") from exc
+        if not isinstance(self.gguf_dequantize, bool):
+            raise ConfigError(f"gguf_dequantize must be a boolean, got {self.gguf_dequantize!r}")
+        if self.gguf_file is not None and self.quantization is not None:
+            raise ConfigError(
+                "quantization applies to Hugging Face folders; a GGUF file's weights keep their own types"
+            )
         self.tokenizer = self.tokenizer or self.model
         text_config = self.hf_config.get_text_config()
         checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(

@@ -1,4 +1,5 @@
-"""GGUF conversion: same model as the llama2.c source, F16/BF16/Q8_0 within their precision, clear errors."""
+"""GGUF conversion: same model as the llama2.c source, F16/BF16/Q8_0 within their precision, any other
+architecture or type exactly as transformers loads it, clear errors."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from strata.converters import ConversionError, convert_gguf
+
+from gguf_models import write_tiny_gguf
+from tiny_models import TINY_CONFIGS
 
 F32, F16, BF16, Q8_0 = (
     GGMLQuantizationType.F32,
@@ -153,14 +159,56 @@ def test_quantised_tensors(kind: GGMLQuantizationType, shared_models_dir: Path, 
         assert json.loads((out / "tokenizer_config.json").read_text())["pad_token"] == "<unk>"
 
 
-def test_unsupported_tensor_type(shared_models_dir: Path, tmp_path: Path) -> None:
+def test_other_types_convert_through_transformers(shared_models_dir: Path, tmp_path: Path) -> None:
+    """A type the Llama writer does not take (Q4_0) sends the file through transformers: the folder holds
+    exactly the weights transformers' own GGUF loader dequantizes."""
+
     def q4_for_wq(name: str, data: np.ndarray) -> GGMLQuantizationType:
         return GGMLQuantizationType.Q4_0 if name == "blk.3.attn_q.weight" else F32
 
     path = write_gguf(tmp_path / "q4.gguf", shared_models_dir / "stories260K.gguf", q4_for_wq)
-    with pytest.raises(ConversionError, match=r"q4\.gguf: tensor 'blk\.3\.attn_q\.weight' has type Q4_0"):
-        convert_gguf(path, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    _assert_same_as_transformers(convert_gguf(path, tmp_path / "out"), path)
+
+
+# A K-quant tensor per file, where rows are whole 256-weight super-blocks.
+K_QUANT_TENSORS = {
+    "gemma3": {
+        "blk.0.ffn_down.weight": GGMLQuantizationType.Q4_K,
+        "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K,
+    },
+    "gpt2": {"blk.0.ffn_down.weight": GGMLQuantizationType.Q5_K},
+    "qwen2_moe": {"blk.0.ffn_down_shexp.weight": GGMLQuantizationType.Q3_K},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(K_QUANT_TENSORS))
+def test_any_architecture_converts(arch: str, tmp_path: Path) -> None:
+    config = TINY_CONFIGS[arch]()
+    if arch == "gpt2":
+        config.n_positions = 1024  # what a GGUF file's gpt2 metadata leads transformers to
+        config.n_inner = 256
+    elif arch == "qwen2_moe":  # sizes qwen2moe metadata has no key for: the config's defaults
+        defaults = type(config)()
+        config.moe_intermediate_size = defaults.moe_intermediate_size
+        config.shared_expert_intermediate_size = defaults.shared_expert_intermediate_size
+    else:
+        config.intermediate_size = 256
+    path = write_tiny_gguf(
+        config,
+        tmp_path / f"{arch}.gguf",
+        qtype=GGMLQuantizationType.Q5_1,
+        random_blocks=K_QUANT_TENSORS[arch],
+    )
+    _assert_same_as_transformers(convert_gguf(path, tmp_path / "out"), path)
+
+
+def _assert_same_as_transformers(folder: Path, path: Path) -> None:
+    ours = AutoModelForCausalLM.from_pretrained(folder)
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    want = theirs.state_dict()
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, want[name], rtol=0, atol=0, msg=name)
+    assert AutoTokenizer.from_pretrained(folder) is not None
 
 
 def test_unknown_tensor_type_id(shared_models_dir: Path, tmp_path: Path) -> None:
@@ -207,8 +255,10 @@ def test_not_a_gguf(shared_models_dir: Path, tmp_path: Path) -> None:
 
 def test_wrong_architecture_and_missing_metadata(shared_models_dir: Path, tmp_path: Path) -> None:
     source = shared_models_dir / "stories260K.gguf"
-    with pytest.raises(ConversionError, match=r"general\.architecture is 'gpt2'; only 'llama'"):
-        convert_gguf(write_gguf(tmp_path / "gpt2.gguf", source, arch="gpt2"), tmp_path / "out")
+    with pytest.raises(
+        ConversionError, match=r"odd\.gguf: architecture 'frobnicator' is not one transformers"
+    ):
+        convert_gguf(write_gguf(tmp_path / "odd.gguf", source, arch="frobnicator"), tmp_path / "out")
     no_eps = write_gguf(tmp_path / "no_eps.gguf", source, skip_rms_eps=True)
     with pytest.raises(ConversionError, match=r"'llama\.attention\.layer_norm_rms_epsilon' is missing"):
         convert_gguf(no_eps, tmp_path / "out")

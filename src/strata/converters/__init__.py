@@ -1,4 +1,4 @@
-"""Converters from other model formats (llama2.c, GGUF) to standard Hugging Face Llama folders."""
+"""Converters from other model formats (llama2.c, GGUF) to standard Hugging Face folders."""
 
 from strata.converters.errors import ConversionError
 from strata.converters.gguf import convert_gguf

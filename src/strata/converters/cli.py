@@ -32,7 +32,9 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> None:
     llama2c.add_argument("--tokenizer", required=True, help="llama2.c tokenizer.bin (e.g. tok512.bin)")
     llama2c.set_defaults(func=_run_llama2c)
 
-    gguf = formats.add_parser("gguf", help="llama-architecture GGUF file (F32, F16, BF16 or Q8_0 tensors)")
+    gguf = formats.add_parser(
+        "gguf", help="GGUF file of any architecture transformers reads, dequantized to float32"
+    )
     gguf.add_argument("file", help="the .gguf file")
     gguf.add_argument(
         "--keep-quantized",

@@ -1,9 +1,13 @@
-"""llama-architecture GGUF files (F32, F16, BF16, Q8_0 tensors) to a Hugging Face Llama folder.
+"""GGUF files to Hugging Face folders, every weight float32, so plain `transformers` loads them.
 
-Parsing is the `gguf` package's `GGUFReader`; this module only turns its generic failures (reshape and dtype
-errors from deep inside numpy) into `ConversionError`s that say what is wrong with which file.
+Llama-architecture files with a SentencePiece vocabulary and F32, F16, BF16 or Q8_0 tensors (llama2.c
+exports, the shared stories260K) are written by this module's own Llama writer, whose tokenizer matches
+the original SentencePiece model piece for piece. Every other file transformers reads from GGUF (any
+architecture, BPE vocabularies, K-quants) goes through Strata's GGUF loader into transformers' own model
+class, dequantized, and is saved by transformers. Files are opened by `strata.gguf_file`, whose errors
+name the file and the problem.
 
-By default every tensor is written as float32, so plain `transformers` loads the folder. With
+With
 `keep_quantized`, Q8_0 Linear weights stay int8 on disk (`<x>.qweight` int8 plus `<x>.qscale`, the
 float16 scale of each block of 32), a quarter of the bytes, and config.json gets a `quantization_config`
 that makes Strata load the folder with `quantization="int8"` (transformers cannot load it).
@@ -16,16 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 
 from strata.config import INT8_QUANT_METHOD
 from strata.converters.errors import ConversionError
-from strata.converters.hf_folder import LlamaSpec, TensorSource, rope_interleaved_to_half, write_hf_folder
+from strata.converters.hf_folder import (
+    LlamaSpec,
+    TensorSource,
+    prepare_out_dir,
+    rope_interleaved_to_half,
+    write_hf_folder,
+)
 from strata.converters.sentencepiece_bpe import PieceType, SentencePieceVocab
+from strata.gguf_file import GGUFError, load_tokenizer, open_gguf
 
-_MAGIC = b"GGUF"
-_MIN_SIZE = 24  # magic, version, tensor count and metadata count
 SUPPORTED_TYPES = (
     GGMLQuantizationType.F32,
     GGMLQuantizationType.F16,
@@ -56,62 +65,37 @@ _GLOBAL_NAMES = {
 }
 
 
-class _CheckedReader(GGUFReader):
-    """GGUFReader that checks each tensor's type and extent before the base class maps its data.
-
-    Without this, an unknown type id or a truncated data section surfaces as a bare numpy reshape error.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._size = path.stat().st_size
-        super().__init__(path)
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        for field in fields:
-            _, name_data, _, dims, raw_type, rel_offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            try:
-                qtype = GGMLQuantizationType(int(raw_type[0]))
-            except ValueError:
-                raise ConversionError(
-                    f"{self._path.name}: tensor {name!r} has unknown GGML type id {int(raw_type[0])}"
-                ) from None
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(dims))
-            if n_elements % block:
-                raise ConversionError(
-                    f"{self._path.name}: tensor {name!r} of {n_elements} elements does not fill whole "
-                    f"{qtype.name} blocks of {block}"
-                )
-            end = int(start_offs) + int(rel_offset[0]) + n_elements // block * type_size
-            if end > self._size:
-                raise ConversionError(
-                    f"{self._path.name} is truncated: tensor {name!r} ({qtype.name}, shape {dims.tolist()}) "
-                    f"ends at byte {end}, the file has {self._size}"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
 def _open(path: Path) -> GGUFReader:
-    if not path.is_file():
-        raise ConversionError(f"{path}: GGUF file not found")
-    with path.open("rb") as f:
-        head = f.read(_MIN_SIZE)
-    if not _MAGIC.startswith(head[:4]):
-        raise ConversionError(f"{path.name}: not a GGUF file (expected magic {_MAGIC!r}, found {head[:4]!r})")
-    if len(head) < _MIN_SIZE:
-        raise ConversionError(f"{path.name} is truncated: {len(head)} bytes, a GGUF header needs {_MIN_SIZE}")
     try:
-        return _CheckedReader(path)
-    except ConversionError:
-        raise
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as e:
-        # The metadata section is read field by field; running off the end shows up as one of these.
-        raise ConversionError(
-            f"{path.name} is truncated or corrupt: its metadata cannot be read "
-            f"({path.stat().st_size} bytes; gguf reader: {e})"
-        ) from e
+        return open_gguf(path)
+    except GGUFError as e:
+        raise ConversionError(str(e)) from e
+
+
+def _sentencepiece_llama(reader: GGUFReader) -> bool:
+    """Whether this module's own Llama writer takes every tensor: known names, supported types."""
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        named = tensor.name in _GLOBAL_NAMES or (len(parts) == 4 and parts[2] in _LAYER_NAMES)
+        if not named or tensor.tensor_type not in SUPPORTED_TYPES:
+            return False
+    return True
+
+
+def _convert_with_transformers(path: Path, out_dir: Path, overwrite: bool) -> Path:
+    """Any architecture transformers reads from GGUF: its model with every weight dequantized to float32,
+    and its tokenizer, saved by transformers."""
+    from strata.models.transformers.loader import WeightLoadError, load_gguf_as_transformers
+
+    try:
+        model = load_gguf_as_transformers(path)
+        tokenizer = load_tokenizer(path)
+    except (GGUFError, WeightLoadError) as e:
+        raise ConversionError(str(e)) from e
+    prepare_out_dir(out_dir, overwrite)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
 
 
 def _value(path: Path, field: ReaderField) -> Any:
@@ -250,8 +234,10 @@ def convert_gguf(
     reader = _open(path)
     meta = _Metadata(path, reader)
     arch = meta.get("general.architecture", required=True)
-    if arch != "llama":
-        raise ConversionError(f"{path.name}: general.architecture is {arch!r}; only 'llama' is supported")
+    if keep_quantized and arch != "llama":
+        raise ConversionError(f"{path.name}: --keep-quantized converts llama-architecture files only")
+    if arch != "llama" or meta.get("tokenizer.ggml.model") != "llama" or not _sentencepiece_llama(reader):
+        return _convert_with_transformers(path, Path(out_dir), overwrite)
     scaling = meta.get("llama.rope.scaling.type", "none")
     if scaling != "none":
         raise ConversionError(f"{path.name}: RoPE scaling {scaling!r} is not supported")

@@ -148,7 +148,7 @@ def rope_interleaved_to_half(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
+def prepare_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConversionError(f"{out_dir}: output path exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -237,7 +237,7 @@ def write_hf_folder(
         if tensors[name].shape != shape:
             raise ConversionError(f"{spec.source}: {name} has shape {tensors[name].shape}, expected {shape}")
 
-    _prepare_out_dir(out_dir, overwrite)
+    prepare_out_dir(out_dir, overwrite)
     write_tokenizer_files(vocab, out_dir, spec.max_position_embeddings)
     config = spec.config_json(vocab)
     if quantization_config is not None:

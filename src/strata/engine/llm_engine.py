@@ -21,6 +21,8 @@ from strata.engine.block_manager import BlockManager
 from strata.engine.detokenizer import IncrementalDetokenizer
 from strata.engine.scheduler import ScheduledSequence, Scheduler
 from strata.engine.sequence import Request, Sequence, SequenceStatus
+from strata.gguf_file import find_gguf
+from strata.gguf_file import load_tokenizer as load_gguf_tokenizer
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 from strata.sample import (
     Sampler,
@@ -42,9 +44,13 @@ class PromptError(ValueError):
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a Hugging Face folder, or the one a GGUF file's metadata describes."""
     from transformers import AutoTokenizer
 
     try:
+        gguf_file = find_gguf(path)
+        if gguf_file is not None:
+            return load_gguf_tokenizer(gguf_file)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
         raise ConfigError(
@@ -89,6 +95,8 @@ class LLMEngine:
     def generation_config(self) -> Any:
         from transformers import GenerationConfig
 
+        if self.config.model_config.gguf_file is not None:
+            return None  # a GGUF file's generation settings (its EOS ids) are in the config already
         try:
             return GenerationConfig.from_pretrained(self.config.model_config.model)
         except OSError:

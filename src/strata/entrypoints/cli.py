@@ -25,9 +25,20 @@ def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """What to load and where: the model, its dtype and quantization, the device."""
-    parser.add_argument("--model", default=None, help="local model folder (default: the bundled stories260K)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local model folder or .gguf file (default: the bundled stories260K)",
+    )
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or auto")
     add_quantization_argument(parser)
+    parser.add_argument(
+        "--gguf-dequantize",
+        action="store_true",
+        help="dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load, with a "
+        "warning, instead of refusing the file",
+    )
     parser.add_argument(
         "--device",
         default="cpu",
@@ -70,6 +81,8 @@ def llm_from_args(args: argparse.Namespace, model: str | None, **options: Any) -
         kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         quantization=args.quantization,
+        tokenizer=args.tokenizer,
+        gguf_dequantize=args.gguf_dequantize,
         **layer_config_kwargs(args),
         **options,
     )

@@ -93,6 +93,7 @@ def run_layers(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         skip_tokenizer_init=True,
         quantization=args.quantization,
+        gguf_dequantize=args.gguf_dequantize,
     )
     config = EngineConfig(
         model_config, layer_config=LayerConfig(**layer_config_kwargs(args)), device=args.device

@@ -86,6 +86,7 @@ class LLM:
         compile: bool | None = None,
         compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
         quantization: str | None = None,
+        gguf_dequantize: bool = False,
         adaptive_threads: bool | None = None,
     ) -> None:
         model_config = ModelConfig(
@@ -96,6 +97,7 @@ class LLM:
             seed=seed,
             skip_tokenizer_init=skip_tokenizer_init,
             quantization=quantization,
+            gguf_dequantize=gguf_dequantize,
         )
         cache_kwargs: dict[str, Any] = {
             "block_size": block_size,

@@ -11,6 +11,7 @@ import pytest
 from strata import LLM, SamplingParams
 
 from example_plugins import install_example
+from gguf_models import smollm2_gguf
 from remote_server import RemoteServer
 from stories260k import PROMPT
 
@@ -57,3 +58,23 @@ def test_serve_on_a_plugin_platform(tmp_path: Path) -> None:
     finally:
         assert remote.stop() == 0
     assert "layers (layer_impl=default, platform example)" in remote.output
+
+
+def test_serve_a_gguf_file_to_the_openai_client(tmp_path: Path) -> None:
+    """`strata serve model.gguf`: the real quantized chat model, its chat template and tokenizer from the
+    file, answers through the openai client."""
+    path = smollm2_gguf(tmp_path)
+    remote = RemoteServer(str(path), "--max-model-len", "512", "--kv-cache-memory", str(64 << 20))
+    try:
+        client = remote.client()
+        (model,) = client.models.list().data
+        assert model.id == str(path)
+        reply = client.chat.completions.create(
+            model=model.id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16,
+            temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        remote.stop()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,6 +35,7 @@ except ImportError:
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import RegisteredLayer, describe_layers, summarize_layers
+from strata.gguf_file import load_config as load_gguf_config
 from strata.hw_agnostic.layers import Int8Linear
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
@@ -50,6 +51,7 @@ from strata.models.transformers.fusers import (
     replace_layer_norms,
     replace_linears,
 )
+from strata.models.transformers.gguf_weights import GGUFCheckpoint
 from strata.models.transformers.hub_kernels import unwrap_hub_kernels
 from strata.models.transformers.layers import LayerResolver
 from strata.models.transformers.quantization import (
@@ -119,6 +121,10 @@ def build_model(
             )
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
+        gguf = None
+        if model_config.gguf_file is not None:
+            gguf = GGUFCheckpoint(model_config.gguf_file, model, model_config.gguf_dequantize)
+            gguf.replace_layers(model, resolver, model_config.torch_dtype)
         weight_mapping = {**fuse_layers(model, resolver), **replace_conv1d(model)}
         replace_layer_norms(model, resolver)
         if model_config.quantization == "int8":
@@ -129,7 +135,13 @@ def build_model(
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model with decoder attention layers Strata can drive"
         )
-    load_weights(model, Path(model_config.model), model_config.torch_dtype, weight_mapping)
+    if gguf is not None:
+        preloaded = gguf.load_kept(model)
+        tensors, source = gguf.dense_tensors(), str(gguf.path)
+    else:
+        preloaded, folder = set(), Path(model_config.model)
+        tensors, source = _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))), str(folder)
+    load_weights(model, tensors, source, model_config.torch_dtype, weight_mapping, preloaded)
     for module in model.modules():
         if isinstance(module, RegisteredLayer):
             module.process_weights_after_loading()
@@ -141,6 +153,17 @@ def build_model(
         summarize_layers(describe_layers(model)),
     )
     return model, specs
+
+
+def load_gguf_as_transformers(path: Path) -> nn.Module:
+    """The file's model as plain transformers builds it, every weight dequantized to float32 (what `strata
+    convert gguf` saves); tensors of types Strata does not compute on are dequantized too, with a warning."""
+    hf_config = load_gguf_config(path)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    gguf = GGUFCheckpoint(path, model, dequantize_unsupported=True)
+    load_weights(model, gguf.dense_tensors(), str(path), torch.float32)
+    return model.eval()
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -239,9 +262,15 @@ def checkpoint_conversion(model: nn.Module) -> Callable[[str], WeightTarget | No
 
 
 def load_weights(
-    model: nn.Module, folder: Path, dtype: torch.dtype, weight_mapping: WeightMapping | None = None
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    folder: str,
+    dtype: torch.dtype,
+    weight_mapping: WeightMapping | None = None,
+    preloaded: set[str] | None = None,
 ) -> None:
-    """Replace each meta parameter by its checkpoint tensor; tie what the config ties; name any mismatch.
+    """Replace each meta parameter by its checkpoint tensor (`tensors`, read from `folder`; `preloaded`
+    names the parameters already in place); tie what the config ties; name any mismatch.
 
     `weight_mapping` sends checkpoint names of replaced modules to their new parameters; a sharded target
     (a merged gate/up projection) is assembled from its shards and set once all of them arrived. The
@@ -257,10 +286,10 @@ def load_weights(
     ties = model.get_expanded_tied_weights_keys(all_submodels=True)
     tie_targets = {source: target for target, source in ties.items()}
     tied_floats: dict[str, torch.Tensor] = {}
-    loaded: set[str] = set()
+    loaded: set[str] = set(preloaded or ())
     unexpected: list[str] = []
     assembling: dict[str, tuple[torch.Tensor, set[tuple[int | None, int]]]] = {}
-    for name, tensor in _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))):
+    for name, tensor in tensors:
         target = weight_mapping.get(name) or converted(name) or WeightTarget(name)
         if target.transpose:
             tensor = tensor.t().contiguous()

@@ -25,7 +25,17 @@ import torch.nn.functional as F
 
 from strata.config import get_current_layer_config
 from strata.custom_op import register_implementation
-from strata.hw_agnostic.layers import GeluAndMul, GluMLP, Int8Linear, LayerNorm, Linear, RMSNorm, SiluAndMul
+from strata.hw_agnostic.layers import (
+    GeluAndMul,
+    GGUFEmbedding,
+    GGUFLinear,
+    GluMLP,
+    Int8Linear,
+    LayerNorm,
+    Linear,
+    RMSNorm,
+    SiluAndMul,
+)
 from strata.hw_agnostic.layers.activation import halves
 from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
 from strata.platforms.cpu import host_memory, kernels
@@ -247,6 +257,35 @@ class CpuInt8Linear(Int8Linear):
             x.reshape(-1, self.in_features), self.qweight, self.scale, self.bias
         )
         return out.view(*x.shape[:-1], self.out_features)
+
+
+@register_implementation("cpu")
+class CpuGGUFLinear(GGUFLinear):
+    """GGUF-typed weights through `strata_cpu::gguf_linear`, which computes on the blocks as they are (the
+    file's memory map itself): decoding them in registers for a few rows of x, into float32 panels for a
+    float GEMM on wider inputs."""
+
+    @classmethod
+    def supports(cls, *args: Any, **kwargs: Any) -> str | None:
+        return _needs_kernel("gguf_linear")
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        bias = None if self.bias is None else self.bias.float()
+        out = torch.ops.strata_cpu.gguf_linear(rows, self.qweight, self.qtype, bias)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+@register_implementation("cpu")
+class CpuGGUFEmbedding(GGUFEmbedding):
+    """A lookup that decodes only the rows it reads, in C++ (`strata_cpu::gguf_embedding`)."""
+
+    @classmethod
+    def supports(cls, *args: Any, **kwargs: Any) -> str | None:
+        return _needs_kernel("gguf_linear")
+
+    def forward_cpu(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.finish(torch.ops.strata_cpu.gguf_embedding(self.qweight, ids, self.qtype))
 
 
 # Up to this many rows ATen's int8 kernel wins; above it the bfloat16 matmul does.
