@@ -33,7 +33,7 @@ from strata import envs
 logger = logging.getLogger("strata.platforms.cpu")
 
 # Every kernel library, by its source's name in `csrc/`.
-KERNELS = ("small_batch_linear", "rms_norm", "paged_decode_attention", "argmax")
+KERNELS = ("small_batch_linear", "rms_norm", "paged_decode_attention", "argmax", "gguf_linear")
 
 
 def csrc_dir() -> Path:
@@ -226,10 +226,34 @@ def _register_argmax_fake() -> None:
         return x.new_empty(x.shape[0], dtype=torch.int64)
 
 
+# (weights, bytes) per block of the GGUF types `strata_cpu::gguf_linear` computes on, by ggml type number.
+_GGUF_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+}  # fmt: skip
+
+
+def _register_gguf_fake() -> None:
+    """Outputs of `strata_cpu::gguf_linear` ([M, N] float32) and `strata_cpu::gguf_embedding` (float32
+    [*ids.shape, K], K from the row's bytes) for `torch.compile`."""
+
+    @torch.library.register_fake("strata_cpu::gguf_linear")
+    def _gguf_linear_fake(
+        x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("strata_cpu::gguf_embedding")
+    def _gguf_embedding_fake(qweight: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Tensor:
+        elems, size = _GGUF_BLOCKS[qtype]
+        return qweight.new_empty(*ids.shape, qweight.shape[1] // size * elems, dtype=torch.float32)
+
+
 # Each kernel's ops need their fake implementations registered once the library is loaded.
 _FAKE_REGISTRATIONS = {
     "argmax": _register_argmax_fake,
     "small_batch_linear": _register_linear_fake,
     "paged_decode_attention": _register_paged_decode_attention_fake,
     "rms_norm": _register_rms_norm_fake,
+    "gguf_linear": _register_gguf_fake,
 }
