@@ -116,7 +116,7 @@ class ModelConfig:
             self.hf_config = load_gguf_config(self.gguf_file)
         elif not path.is_dir():
             raise ConfigError(
-                f"model must be a local model folder or a .gguf file; {self.model!r} is neither"
+                f"model must be a local model folder or a .gguf file; {self.model!r} is not a directory"
             )
         elif not (path / "config.json").is_file():
             raise ConfigError(f"model folder {self.model!r} has no config.json (nor a .gguf file)")

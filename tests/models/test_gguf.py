@@ -167,6 +167,8 @@ def test_real_file_prompt_tokens_and_logits_match_transformers(smollm2: Path, sm
     assert reference.clear >= 2, "the reference's own first decisions should be clear"
     _check_against(reference, out)
 
+    # The chat template renders the same prompt; its blocks now come from the prefix cache, so only the
+    # last tokens run (through the kernels' few-row path): clear decisions agree, close ones may not.
     chat = smollm2_llm.chat(messages, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
-    assert chat.token_ids == out.token_ids
-    assert chat.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    reference.check(chat.token_ids)
+    assert chat.text == tokenizer.decode(chat.token_ids, skip_special_tokens=True)

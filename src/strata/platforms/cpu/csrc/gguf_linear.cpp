@@ -13,10 +13,12 @@
 // integer weights meet it in integer dot products (`dot_u8s8`: AVX-512 VNNI's vpdpbusd, or AVX2's
 // vpmaddubsw) and only each block's (or sub-block's) sum is scaled in float. Widening the weights to float
 // for float FMAs instead (the float path below) ran 2.5-4.5x slower on Zen 4 (Q4_0, Q8_0, Q4_K, Q6_K at
-// one row of x). Offsets (Q4_0's -8 ...) and minimums are taken out with precomputed per-16 or per-32 sums
+// one row of x). For 8- and 6-bit weights x also keeps what int8 leaves over, to 1/128 of a step
+// (`kResidual`). Offsets (Q4_0's -8 ...) and minimums are taken out with precomputed per-16 or per-32 sums
 // of x, so that the weights' unsigned codes enter the dot products as they are. F16/BF16/F32 rows are
 // widened and multiplied in float, as every type is on CPUs without AVX2. The weight rows are split over
-// ATen's threads, only for layers big enough to pay for waking a second one.
+// ATen's threads, only for layers big enough to pay for waking a second one, and every output comes out the
+// same whatever the thread count.
 //
 // Wider inputs (prefill, batches) amortise a float dequantization over their rows: each thread dequantizes
 // panels of its weight rows into a float32 scratch that stays in its L2 cache and multiplies x by each
@@ -301,7 +303,7 @@ inline void dequant_block(const uint8_t* b, float* y) {
 // x quantized to int8 for the int8 decode path.
 
 // x quantized per `block` inputs (32 or 256), with the sums the weights' offsets and minimums need; for
-// 8-bit weights (`kResidual`) also what int8 leaves over, in 128ths of a step. Row m's data starts at
+// 8- and 6-bit weights (`kResidual`) also what int8 leaves over, in 128ths of a step. Row m's data starts at
 // q + m * K (and r + m * K), d + m * (K / block), and each per-16/per-32 array at m * (K / 16) or
 // m * (K / 32).
 struct QuantizedX {
@@ -310,7 +312,7 @@ struct QuantizedX {
   const int8_t* r = nullptr;      // with a residual: x ~ d * (q + r / 128), r in [-64, 64]
   const float* d = nullptr;       // each block's scale: x ~ d * q
   const float* sum16 = nullptr;   // exact sums of x over each 16 inputs (for minimums)
-  const float* qsum16 = nullptr;  // d * (sum of q) over each 16 inputs (for offsets, which meet the q)
+  const float* qsum16 = nullptr;  // d * (sum of q + r / 128) over each 16 inputs (for offsets: they meet q)
   const float* sum32 = nullptr;
   const float* qsum32 = nullptr;
 };
@@ -325,8 +327,49 @@ struct QuantizedX {
 template <int64_t Q>
 constexpr bool kResidual = Q == kQ8_0 || Q == kQ6_K;
 
-// Rounds half away from zero, in a form GCC vectorizes.
-inline int32_t round_to_int(float v) { return static_cast<int32_t>(v + (v >= 0.f ? 0.5f : -0.5f)); }
+// ---------------------------------------------------------------------------------------------------------
+// x86 (AVX2 and up): each type's blocks decoded in 256-bit registers, 32 weights at a time, as unsigned
+// codes in order (Q8_0: its signed bytes) plus what scales them. The int8 decode path multiplies the codes
+// by x's int8 values; the SIMD dequantization widens them to float.
+
+#if STRATA_GGUF_AVX2
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+// acc + the sums of each 4 adjacent products u[i] * s[i] (unsigned by signed bytes), per 32-bit lane.
+// Without VNNI, vpmaddubsw's 16-bit pair sums saturate at 32767: every caller keeps u * |s| * 2 below that
+// (u < 128, or u <= 128 with |s| <= 127).
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + the products u[i] * s[i] summed in pairs (16-bit, below saturation: u < 64 here) and each pair's
+// sum times its 16-bit lane of `scales`, summed per 32-bit lane: a sub-block's integer dot product with its
+// scale (or two 16-weight groups' with theirs) applied before leaving integers.
+inline __m256i dot_u8s8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scales) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, pairs, scales);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, pairs, scales);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // x [M, K] quantized into buffers the calling thread reuses (valid until its next call): per block of
 // `block` inputs, d = max |x| / 127 and q = round(x / d) in [-127, 127] (never -128, so that q can be
@@ -362,9 +405,8 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
       int8_t* rb = residual ? qbuf.data() + M * K + m * K + b * block : nullptr;
       float* s16 = sum16 + m * n16 + b * (block / 16);
       float* q16 = qsum16 + m * n16 + b * (block / 16);
-#if STRATA_GGUF_AVX2
-      // The same in 8-float vectors: max |x|; q (and r) rounded (to nearest even) and packed to bytes, whose
-      // order the packs interleave by 4 (the permute restores it); each 16's sums by horizontal adds.
+      // In 8-float vectors: max |x|; q (and r) rounded (to nearest even) and packed to bytes, whose order
+      // the packs interleave by 4 (the permute restores it); each 16's sums by horizontal adds.
       __m256 vmax = _mm256_setzero_ps();
       for (int64_t i = 0; i < block; i += 8) {
         vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + i)));
@@ -409,31 +451,6 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
         q16[i / 16] = _mm_cvtss_f32(ns);
         q16[i / 16 + 1] = _mm_cvtss_f32(_mm_movehdup_ps(ns));
       }
-#else
-      float amax = 0.f;
-      for (int64_t i = 0; i < block; ++i) {
-        const float a = xb[i] < 0.f ? -xb[i] : xb[i];
-        amax = a > amax ? a : amax;
-      }
-      const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-      d[m * nb + b] = scale;
-      for (int64_t i = 0; i < block; ++i) {
-        const float steps = xb[i] * inverse;
-        const int32_t q = round_to_int(steps);
-        qb[i] = static_cast<int8_t>(q);
-        if (residual) rb[i] = static_cast<int8_t>(round_to_int((steps - static_cast<float>(q)) * 128.f));
-      }
-      for (int64_t g = 0; g < block / 16; ++g) {
-        float s = 0.f;
-        int32_t qs = 0;
-        for (int i = 0; i < 16; ++i) {
-          s += xb[16 * g + i];
-          qs += 128 * qb[16 * g + i] + (residual ? rb[16 * g + i] : 0);
-        }
-        s16[g] = s;
-        q16[g] = scale / 128.f * static_cast<float>(qs);
-      }
-#endif
     }
     for (int64_t g = 0; g < n32; ++g) {
       sum32[m * n32 + g] = sum16[m * n16 + 2 * g] + sum16[m * n16 + 2 * g + 1];
@@ -441,50 +458,6 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
     }
   }
   return r;
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// x86 (AVX2 and up): each type's blocks decoded in 256-bit registers, 32 weights at a time, as unsigned
-// codes in order (Q8_0: its signed bytes) plus what scales them. The int8 decode path multiplies the codes
-// by x's int8 values; the SIMD dequantization widens them to float.
-
-#if STRATA_GGUF_AVX2
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-inline __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-
-// acc + the sums of each 4 adjacent products u[i] * s[i] (unsigned by signed bytes), per 32-bit lane.
-// Without VNNI, vpmaddubsw's 16-bit pair sums saturate at 32767: every caller keeps u * |s| * 2 below that
-// (u < 128, or u <= 128 with |s| <= 127).
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// acc + the products u[i] * s[i] summed in pairs (16-bit, below saturation: u < 64 here) and each pair's
-// sum times its 16-bit lane of `scales`, summed per 32-bit lane: a sub-block's integer dot product with its
-// scale (or two 16-weight groups' with theirs) applied before leaving integers.
-inline __m256i dot_u8s8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scales) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, pairs, scales);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, pairs, scales);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
-#endif
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // The first g <= 8 floats at p, the other lanes zero (nothing past p + g is read).
