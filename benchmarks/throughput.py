@@ -12,13 +12,25 @@ llama.cpp runs through llama-cpp-python (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip inst
 skipped with a note without it) on an F32 GGUF written from the folder. It holds one sequence, so at C > 1
 it generates the prompts one after another ("(seq)" in the table).
 
+GGUF engines: `strata-gguf` (Strata compiled, as `strata-compiled`, loading the GGUF file) and `llama.cpp`
+run on the folder's F32 GGUF; `strata-gguf-F` and `llama.cpp-F` on its quantization F (q8_0, q4_0, q4_k_m),
+written by llama.cpp's own quantizer and cached beside it (`-f32` names the F32 file too). A Strata GGUF row
+is compared with llama.cpp on the same file (`vs_llama_cpp`) and with `strata-compiled` on the folder
+(`vs_strata_f32`) when they ran. --gguf-file benchmarks an existing GGUF instead of the folders, with
+`strata-gguf` and `llama.cpp` both on it. A GGUF engine's `bw%` counts the bytes of the file's 2-D weights
+(the token embedding only when it is also the output head: a step reads one row of an untied one).
+
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,8,32 --json-out /tmp/tp.json
     python benchmarks/throughput.py --engines strata,strata-compiled,strata-int8,transformers --prefill-len 0
+    python benchmarks/throughput.py --models smollm-135m --concurrency 1,32 --engines \
+        strata-compiled,strata-gguf-q4_0,llama.cpp-q4_0,strata-gguf-q4_k_m,llama.cpp-q4_k_m
+    python benchmarks/throughput.py --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 1
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import gc
 import json
@@ -43,7 +55,10 @@ BASELINE, LLAMA_CPP = "transformers", "llama.cpp"
 PROMPT_LEN = 32
 FIRST_PROMPT_ID = 3  # prompt ids start above the usual pad/bos/eos ids (0, 1, 2)
 GREEDY_CHECK_TOKENS = 8  # the engines' greedy ids must agree this far; random weights have near-ties later
-GGUF_NAME = "model-f32.gguf"
+# Quantizations of the F32 GGUF that the GGUF engines run on, llama.cpp's quantizer writing each
+# (`llama_cpp.LLAMA_FTYPE_MOSTLY_<name upper-cased>`).
+GGUF_QUANTS = ("q8_0", "q4_0", "q4_k_m")
+STRATA_GGUF, STRATA_F32 = "strata-gguf", "strata-compiled"  # Strata on a GGUF file; its float32 reference
 
 _COMMON: dict[str, Any] = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -69,7 +84,10 @@ STRATA_VARIANTS: dict[str, dict[str, Any]] = {
     "strata-bf16": {"dtype": "bfloat16"},
     "strata-int8": {"quantization": "int8"},
 }
-ENGINE_NAMES = [*STRATA_VARIANTS, BASELINE, LLAMA_CPP]
+GGUF_ENGINES = [STRATA_GGUF, LLAMA_CPP, *(f"{e}-{q}" for q in GGUF_QUANTS for e in (STRATA_GGUF, LLAMA_CPP))]
+ENGINE_NAMES = [*STRATA_VARIANTS, BASELINE, *GGUF_ENGINES]
+ENGINE_ALIASES = {f"{e}-f32": e for e in (STRATA_GGUF, LLAMA_CPP)}
+DEFAULT_ENGINES, GGUF_FILE_ENGINES = f"strata,{BASELINE},{LLAMA_CPP}", f"{STRATA_GGUF},{LLAMA_CPP}"
 
 # (prompts, new tokens) -> (seconds spent generating, the new token ids of each prompt)
 Generate = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
@@ -116,13 +134,13 @@ def llama_cpp_unavailable() -> str | None:
     return None
 
 
-def llama_cpp_engine(folder: Path, max_batch: int, max_len: int) -> Generate:
-    """llama-cpp-python's `Llama` on the folder's F32 GGUF with torch's thread count. It holds one sequence:
-    a batch's prompts are generated one after another, each from an empty cache."""
+def llama_cpp_engine(path: Path, max_batch: int, max_len: int) -> Generate:
+    """llama-cpp-python's `Llama` on the GGUF file with torch's thread count. It holds one sequence: a
+    batch's prompts are generated one after another, each from an empty cache."""
     import llama_cpp
 
     n = torch.get_num_threads()
-    llm = llama_cpp.Llama(str(ensure_gguf(folder)), n_ctx=max_len, n_batch=min(512, max_len), n_threads=n,
+    llm = llama_cpp.Llama(str(path), n_ctx=max_len, n_batch=min(512, max_len), n_threads=n,
                           n_threads_batch=n, verbose=False)  # fmt: skip
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -141,15 +159,64 @@ def llama_cpp_engine(folder: Path, max_batch: int, max_len: int) -> Generate:
     return generate
 
 
-def build_engine(name: str, folder: Path, max_batch: int, max_len: int) -> Generate:
-    factory = {BASELINE: transformers_engine, LLAMA_CPP: llama_cpp_engine}.get(name, strata_engine)
-    return factory(folder, max_batch, max_len, **STRATA_VARIANTS.get(name, {}))
+def gguf_format(engine: str) -> str | None:
+    """The GGUF file a GGUF engine runs on ("f32": the model's own, else a quantization of it); None for the
+    engines on the folder."""
+    for family in (STRATA_GGUF, LLAMA_CPP):
+        if engine == family or engine.startswith(f"{family}-"):
+            return engine.removeprefix(family).removeprefix("-") or "f32"
+    return None
+
+
+def peers(engine: str) -> dict[str, str]:
+    """The engines a row is compared with, by ratio field: transformers; llama.cpp on the same file (the
+    F32 GGUF for the engines on the folder); and for Strata on a GGUF file, Strata compiled on the folder."""
+    fmt = gguf_format(engine)
+    out = {"vs_transformers": BASELINE}
+    if not engine.startswith(LLAMA_CPP):
+        out["vs_llama_cpp"] = LLAMA_CPP if fmt in (None, "f32") else f"{LLAMA_CPP}-{fmt}"
+    if fmt is not None and engine.startswith(STRATA_GGUF):
+        out["vs_strata_f32"] = STRATA_F32
+    return out
+
+
+def build_engine(
+    name: str, folder: Path | None, files: dict[str, Path], max_batch: int, max_len: int
+) -> Generate:
+    """The engine `name` on the folder or on its GGUF file (`files`, by format)."""
+    if (fmt := gguf_format(name)) is not None:
+        if name.startswith(LLAMA_CPP):
+            return llama_cpp_engine(files[fmt], max_batch, max_len)
+        return strata_engine(files[fmt], max_batch, max_len, **STRATA_VARIANTS[STRATA_F32])
+    assert folder is not None, f"{name} needs a model folder"
+    if name == BASELINE:
+        return transformers_engine(folder, max_batch, max_len)
+    return strata_engine(folder, max_batch, max_len, **STRATA_VARIANTS[name])
 
 
 def bytes_per_weight(engine: str) -> int:
-    """Bytes per matmul weight the engine reads in a step (int8's per-row scales left out)."""
+    """Bytes per matmul weight a Strata engine on the folder reads in a step (int8's per-row scales left
+    out)."""
     variant = STRATA_VARIANTS.get(engine, {})
     return 1 if variant.get("quantization") == "int8" else 2 if variant.get("dtype") == "bfloat16" else 4
+
+
+def gguf_step_weights(path: Path) -> tuple[int, int]:
+    """(bytes, weights) of the GGUF file's 2-D tensors a decode step reads whole: all but the token
+    embedding, which counts only when it is also the output head (no `output.weight`)."""
+    from gguf import GGUFReader
+
+    tensors = [t for t in GGUFReader(path).tensors if len(t.shape) == 2]
+    tied = not any(t.name == "output.weight" for t in tensors)
+    read = [t for t in tensors if tied or t.name != "token_embd.weight"]
+    return sum(int(t.n_bytes) for t in read), sum(int(t.n_elements) for t in read)
+
+
+def gguf_vocab_size(path: Path) -> int:
+    """Rows of the file's token embedding."""
+    from gguf import GGUFReader
+
+    return next(int(t.shape[-1]) for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
 
 
 def ensure_model_folder(name: str, model_dir: Path) -> Path:
@@ -256,11 +323,27 @@ def write_gguf(folder: Path, out_path: Path) -> None:
     w.close()
 
 
-def ensure_gguf(folder: Path) -> Path:
-    """The folder's F32 GGUF, written once beside its weights (a rebuilt folder drops it with the rest)."""
-    path, partial = folder / GGUF_NAME, folder / f".{GGUF_NAME}.partial"
+def quantize_gguf(source: Path, out_path: Path, fmt: str) -> None:
+    """`source` quantized to `fmt` by llama.cpp's own quantizer (its choices included: it keeps a tensor
+    whose rows do not fill its blocks in another type)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{fmt.upper()}")
+    params.nthread = torch.get_num_threads()
+    if llama_cpp.llama_model_quantize(bytes(source), bytes(out_path), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp failed to quantize {source} to {fmt}")
+
+
+def ensure_gguf(folder: Path, fmt: str = "f32") -> Path:
+    """The folder's GGUF in `fmt` (f32, or a quantization of the F32 one), written once beside its weights
+    (a rebuilt folder drops them with the rest)."""
+    path, partial = folder / f"model-{fmt}.gguf", folder / f".model-{fmt}.gguf.partial"
     if not path.is_file():
-        write_gguf(folder, partial)
+        if fmt == "f32":
+            write_gguf(folder, partial)
+        else:
+            quantize_gguf(ensure_gguf(folder), partial, fmt)
         partial.rename(path)
     return path
 
@@ -328,7 +411,7 @@ def take_turns(
         rows.append({**common, "engine": name, key: tokens / median, "median_s": median, "runs_s": times})
     rate = {row["engine"]: row[key] for row in rows}
     for row in rows:
-        for peer, field in ((BASELINE, "vs_transformers"), (LLAMA_CPP, "vs_llama_cpp")):
+        for field, peer in peers(row["engine"]).items():
             if peer in rate and row["engine"] != peer:
                 row[field] = row[key] / rate[peer]
     return rows, first
@@ -336,27 +419,37 @@ def take_turns(
 
 def bench_model(model: str, engines: list[str], args: argparse.Namespace, report: dict[str, Any]) -> None:
     """One model's decode rows (into `report["results"]`), prefill rows (`report["prefill"]`), weights and
-    greedy check (`report["models"]`), every engine loaded once for all of them."""
-    folder = ensure_model_folder(model, args.model_dir)
-    params, vocab = matmul_params(folder), MODEL_SHAPES[model]["vocab_size"]
+    greedy check (`report["models"]`), every engine loaded once for all of them. With --gguf-file the model
+    is that file, and only the GGUF engines run, on it."""
+    folder = None if args.gguf_file else ensure_model_folder(model, args.model_dir)
+    files = {fmt: args.gguf_file or ensure_gguf(folder, fmt) for e in engines if (fmt := gguf_format(e))}
+    gguf_reads = {fmt: gguf_step_weights(path) for fmt, path in files.items()}
+    if folder is None:
+        params, vocab = gguf_reads["f32"][1], gguf_vocab_size(args.gguf_file)
+    else:
+        params, vocab = matmul_params(folder), MODEL_SHAPES[model]["vocab_size"]
+    # (weight bytes, weights) each engine reads in a decode step.
+    reads = {
+        e: gguf_reads[f] if (f := gguf_format(e)) else (params * bytes_per_weight(e), params) for e in engines
+    }
     bandwidth = report["machine"]["memory_read_gb_s"] * 1e9
     max_len = max(PROMPT_LEN + args.new_tokens, args.prefill_len + 1)
-    runners = {name: build_engine(name, folder, max(args.concurrency), max_len) for name in engines}
-    greedy_match = {}
+    runners = {name: build_engine(name, folder, files, max(args.concurrency), max_len) for name in engines}
+    greedy_ref: dict[str, str] = {}
+    greedy_match: dict[str, bool] = {}
     for c in args.concurrency:
         # Fresh prompts for each run, so that no prefix cache reuses an earlier run's.
         batches = [make_prompts(c, vocab, f"{c}:{run}") for run in range(-1, args.repeats)]
         rows, outputs = take_turns(runners, batches, args.new_tokens, {"model": model, "concurrency": c})
         for row in rows:
-            row["sequential"] = row["engine"] == LLAMA_CPP and c > 1
+            row["sequential"] = row["engine"].startswith(LLAMA_CPP) and c > 1
             if c == 1:  # the share of the bandwidth limit: each step reads every matmul weight once
-                weight_bytes = params * bytes_per_weight(row["engine"])
-                row["bw_fraction"] = row["tokens_per_s"] * weight_bytes / bandwidth
+                row["bw_fraction"] = row["tokens_per_s"] * reads[row["engine"]][0] / bandwidth
         report["results"] += rows
         if c == 1:
-            ref = BASELINE if BASELINE in outputs else engines[0]
             first = {name: ids[0][:GREEDY_CHECK_TOKENS] for name, ids in outputs.items()}
-            greedy_match = {name: ids == first[ref] for name, ids in first.items() if name != ref}
+            greedy_ref = greedy_references(engines, folder is not None)
+            greedy_match = {name: first[name] == first[ref] for name, ref in greedy_ref.items()}
     if n := args.prefill_len:
         batches = [make_prompts(1, vocab, f"prefill:{run}", n) for run in range(-1, args.repeats)]
         report["prefill"] += take_turns(runners, batches, 1, {"model": model, "prompt_len": n})[0]
@@ -365,8 +458,33 @@ def bench_model(model: str, engines: list[str], args: argparse.Namespace, report
     report["models"][model] = {
         "matmul_params": params,
         "fp32_bandwidth_limit_tok_s": bandwidth / (4 * params),
+        "bytes_per_weight": {engine: size / count for engine, (size, count) in reads.items()},
         "greedy_match": greedy_match,
+        "greedy_reference": greedy_ref,
     }
+
+
+def greedy_references(engines: list[str], float_folder: bool) -> dict[str, str]:
+    """The engine whose greedy ids each engine's must match: for Strata on a GGUF file, llama.cpp on the
+    same file; for the others on the float32 weights (of the folder, or its F32 GGUF), transformers or
+    else the first engine. Engines with no peer on the same weights are left out."""
+    default = BASELINE if BASELINE in engines else engines[0]
+    refs = {}
+    for name in engines:
+        peer = peers(name).get("vs_llama_cpp")
+        if name.startswith(STRATA_GGUF) and peer in engines:
+            refs[name] = peer
+        elif float_folder and gguf_format(name) in (None, "f32") and name != default:
+            refs[name] = default
+    return refs
+
+
+# Ratio fields and their table headings.
+RATIOS = {
+    "vs_transformers": "vs transformers",
+    "vs_llama_cpp": "vs llama.cpp",
+    "vs_strata_f32": "vs strata f32",
+}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -375,12 +493,12 @@ def format_table(report: dict[str, Any]) -> str:
     def cells(r: dict[str, Any]) -> list[str]:
         run = f"prefill {r['prompt_len']}" if "prompt_len" in r else f"c={r['concurrency']}"
         rate = r["prompt_tokens_per_s"] if "prompt_len" in r else r["tokens_per_s"]
-        ratios = [f"{r[key]:.2f}" if key in r else "-" for key in ("vs_transformers", "vs_llama_cpp")]
+        ratios = [f"{r[key]:.2f}" if key in r else "-" for key in RATIOS]
         bw = f"{100 * r['bw_fraction']:.1f}" if "bw_fraction" in r else "-"
         engine = r["engine"] + (" (seq)" if r.get("sequential") else "")
         return [r["model"], run, engine, f"{rate:.1f}", *ratios, bw]
 
-    lines = [["model", "run", "engine", "tok/s", "vs transformers", "vs llama.cpp", "bw%"]]
+    lines = [["model", "run", "engine", "tok/s", *RATIOS.values(), "bw%"]]
     lines += [cells(row) for row in report["results"] + report["prefill"]]
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     table = [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines]
@@ -389,8 +507,10 @@ def format_table(report: dict[str, Any]) -> str:
     out = [f"{m['cpu_model']}, {m['threads']} threads: memory read {m['memory_read_gb_s']:.1f} GB/s, "
            f"fp32 matmul {m['matmul_fp32_gflop_s']:.0f} GFLOP/s", "", *table]  # fmt: skip
     for model, info in report["models"].items():
+        refs = info["greedy_reference"]
         if checks := [
-            f"{engine} {'match' if ok else 'MISMATCH'}" for engine, ok in info["greedy_match"].items()
+            f"{engine} {'match' if ok else 'MISMATCH'} ({refs[engine]})"
+            for engine, ok in info["greedy_match"].items()
         ]:
             out.append(f"{model}: greedy ids, first {GREEDY_CHECK_TOKENS} at c=1: {', '.join(checks)}")
     if any(row["sequential"] for row in report["results"]):
@@ -424,9 +544,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add(
         "--engines",
-        type=_csv(ENGINE_NAMES),
-        default="strata,transformers,llama.cpp",
-        help=names(", ".join(ENGINE_NAMES)),
+        type=_csv([*ENGINE_NAMES, *ENGINE_ALIASES]),
+        default=None,
+        help=f"comma-separated, from {', '.join(ENGINE_NAMES)} (default: {DEFAULT_ENGINES}; with --gguf-file: "
+        f"{GGUF_FILE_ENGINES})",
     )
     add("--concurrency", type=_csv(), default="1,8,32", help="prompts per batch (default: %(default)s)")
     add("--new-tokens", type=int, default=128, help="tokens generated per prompt (default: 128)")
@@ -434,11 +555,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--repeats", type=int, default=3, help="timed runs per engine, the median reported (default: 3)")
     add("--threads", type=int, default=None, help="torch.set_num_threads(N) (default: torch's own)")
     add("--model-dir", type=Path, default=REPO_ROOT / "bench_models", help="default: bench_models/")
+    add(
+        "--gguf-file",
+        type=Path,
+        default=None,
+        help="benchmark this GGUF file (not --models): strata-gguf and llama.cpp on it",
+    )
     add("--json-out", type=Path, default=None, help="also write the JSON report to this file")
     args = p.parse_args(argv)
+    default = GGUF_FILE_ENGINES if args.gguf_file else DEFAULT_ENGINES
+    args.engines = list(dict.fromkeys(ENGINE_ALIASES.get(e, e) for e in args.engines or default.split(",")))
+    if args.gguf_file and not args.gguf_file.is_file():
+        p.error(f"--gguf-file {args.gguf_file}: no such file")
+    if args.gguf_file and (others := [e for e in args.engines if gguf_format(e) != "f32"]):
+        p.error(f"--gguf-file runs only {GGUF_FILE_ENGINES} on the file, not {', '.join(others)}")
     if min(args.new_tokens, args.repeats, args.threads or 1) < 1 or args.prefill_len < 0:
         p.error("--new-tokens, --repeats and --threads must be at least 1, --prefill-len at least 0")
-    if any(args.prefill_len + 1 > MODEL_SHAPES[m]["max_position_embeddings"] for m in args.models):
+    if not args.gguf_file and any(
+        args.prefill_len + 1 > MODEL_SHAPES[m]["max_position_embeddings"] for m in args.models
+    ):
         p.error(f"--prefill-len {args.prefill_len} plus a token exceeds a model's max_position_embeddings")
     return args
 
@@ -447,15 +582,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engines, skipped = list(dict.fromkeys(args.engines)), {}
-    if LLAMA_CPP in engines and (reason := llama_cpp_unavailable()):
-        engines.remove(LLAMA_CPP)
-        skipped[LLAMA_CPP] = reason
-        print(f"note: skipping {LLAMA_CPP}: {reason}", file=sys.stderr, flush=True)
+    engines, skipped = list(args.engines), {}
+    # llama.cpp runs its engines and writes the quantized files.
+    needs_llama_cpp = [e for e in engines if e.startswith(LLAMA_CPP) or gguf_format(e) in GGUF_QUANTS]
+    if needs_llama_cpp and (reason := llama_cpp_unavailable()):
+        for name in needs_llama_cpp:
+            engines.remove(name)
+            skipped[name] = reason
+        print(f"note: skipping {', '.join(needs_llama_cpp)}: {reason}", file=sys.stderr, flush=True)
     if not engines:
         print("error: no engine left to run", file=sys.stderr)
         return 2
     settings = {key: getattr(args, key) for key in ("concurrency", "new_tokens", "prefill_len", "repeats")}
+    settings["gguf_file"] = args.gguf_file and str(args.gguf_file)
     report: dict[str, Any] = {
         "machine": machine_info(),
         "settings": {**settings, "prompt_len": PROMPT_LEN, "engines": engines, "skipped_engines": skipped},
@@ -463,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": [],
         "prefill": [],
     }
-    for model in args.models:
+    for model in [args.gguf_file.stem] if args.gguf_file else args.models:
         bench_model(model, engines, args, report)
     text = json.dumps(report, indent=2)
     if args.json_out is not None:

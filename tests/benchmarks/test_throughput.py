@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
 
 from benchmark_scripts import run_benchmark
 
-# Strata's C++ kernels are off: building them would take minutes, and the harness, not they, is under test.
+# Strata's C++ kernels are off where the harness, not they, is under test: building them takes minutes.
 NO_KERNELS = {"STRATA_DISABLE_CPU_KERNELS": "1"}
 
 
@@ -39,3 +44,48 @@ def test_throughput_reports_every_engine_and_prints_its_table(tmp_path: Path) ->
     header = next(i for i, line in enumerate(lines) if line.startswith("model"))
     assert [cell.strip() for cell in lines[header].split("|")][:4] == ["model", "run", "engine", "tok/s"]
     assert len([line for line in lines if line.startswith("tiny ")]) == 3 * len(ran)
+
+
+def _llama_cpp_missing() -> str | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, or OSError from a library built for another CPU
+        return f"the q8_0 file is written by llama.cpp's quantizer: import llama_cpp failed ({e})"
+    return None
+
+
+LLAMA_CPP_MISSING = _llama_cpp_missing()
+
+
+@pytest.mark.skipif(LLAMA_CPP_MISSING is not None, reason=str(LLAMA_CPP_MISSING))
+@pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX") or "c++") is None,
+    reason="strata-gguf runs compiled, which on GGUF weights needs Strata's C++ GGUF kernel (no compiler here)",
+)
+def test_gguf_engines_run_on_a_quantized_file_beside_llama_cpp(tmp_path: Path) -> None:
+    # Kernels on: strata-gguf is Strata compiled on the file, computing with the GGUF kernel.
+    engines = ["strata-compiled", "strata-gguf-q8_0", "llama.cpp-q8_0"]
+    args = ["--models", "tiny", "--engines", ",".join(engines), "--concurrency", "1,2", "--new-tokens", "4"]
+    args += ["--repeats", "1", "--prefill-len", "8", "--threads", "1", "--model-dir", str(tmp_path)]
+    report, table = run_benchmark("throughput", *args)
+
+    assert report["settings"]["engines"] == engines
+    tensors = [t for t in GGUFReader(tmp_path / "tiny" / "model-q8_0.gguf").tensors if len(t.shape) == 2]
+    assert {t.tensor_type for t in tensors} == {GGMLQuantizationType.Q8_0}  # all 2-D weights, by llama.cpp
+    info = report["models"]["tiny"]
+    assert info["bytes_per_weight"]["strata-gguf-q8_0"] == 34 / 32  # untied: the token embedding not read
+    assert info["bytes_per_weight"]["strata-compiled"] == 4
+    assert info["greedy_reference"] == {"strata-gguf-q8_0": "llama.cpp-q8_0"}
+    rows = {(row["concurrency"], row["engine"]): row for row in report["results"]}
+    assert set(rows) == {(c, e) for c in (1, 2) for e in engines}
+    for c in (1, 2):
+        gguf_row, llama_row = rows[c, "strata-gguf-q8_0"], rows[c, "llama.cpp-q8_0"]
+        assert gguf_row["vs_llama_cpp"] == gguf_row["tokens_per_s"] / llama_row["tokens_per_s"]
+        assert (
+            gguf_row["vs_strata_f32"] == gguf_row["tokens_per_s"] / rows[c, "strata-compiled"]["tokens_per_s"]
+        )
+        assert "vs_llama_cpp" not in llama_row and llama_row["sequential"] == (c > 1)
+    assert "vs_llama_cpp" not in rows[1, "strata-compiled"]  # llama.cpp on the F32 file did not run
+    prefill = {row["engine"]: row for row in report["prefill"]}
+    assert set(prefill) == set(engines) and "vs_llama_cpp" in prefill["strata-gguf-q8_0"]
+    assert "strata-gguf-q8_0 match (llama.cpp-q8_0)" in table or "MISMATCH (llama.cpp-q8_0)" in table
