@@ -100,11 +100,8 @@ class GGUFCheckpoint:
                 continue
             module_path = hf_name.removesuffix(".weight")
             module = _submodule(model, module_path)
-            new = self._gguf_layer(module, tensor, resolver, dtype)
-            if new is None:
-                continue
             row_order = self._row_order(tensor, module)
-            if row_order is False:
+            if row_order is False or (new := self._gguf_layer(module, tensor, resolver, dtype)) is None:
                 continue
             model.set_submodule(module_path, new)
             self.kept[hf_name] = KeptWeight(module_path, tensor, row_order)

@@ -637,6 +637,22 @@ struct KQuant<kQ2_K> {
   };
 };
 
+// Q3_K and Q6_K: every code carries one constant offset (-4, -32) under per-16 scales (d * scale, `lo` for
+// weights 0-15 of a sub-block, `hi` for 16-31). `offset_correct` adds the offset's share of a sub-block's dot
+// product from x's per-16 sums; `offset_affine` gives the scale and bias a code dequantizes with.
+inline __m256 offset_correct(__m256 acc, __m256 lo, __m256 hi, float offset, const float* sums) {
+  const __m256 o = _mm256_set1_ps(offset);
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(lo, o), _mm256_loadu_ps(sums), acc);
+  return _mm256_fmadd_ps(_mm256_mul_ps(hi, o), _mm256_loadu_ps(sums + 8), acc);
+}
+inline void offset_affine(__m256 lo, __m256 hi, float offset, float* scale, float* bias) {
+  const __m256 o = _mm256_set1_ps(offset);
+  _mm256_storeu_ps(scale, lo);
+  _mm256_storeu_ps(scale + 8, hi);
+  _mm256_storeu_ps(bias, _mm256_mul_ps(lo, o));
+  _mm256_storeu_ps(bias + 8, _mm256_mul_ps(hi, o));
+}
+
 template <>
 struct KQuant<kQ3_K> {
   // hmask[32], qs[64], scales[12], d.
@@ -660,18 +676,9 @@ struct KQuant<kQ3_K> {
     template <int J>
     __m256i scale() const { return scales.of<J>(); }
     __m256 correct(__m256 acc, const QuantizedX& x, int64_t m, int64_t sb) const {
-      const float* s = x.qsum16 + m * (x.K / 16) + sb * 16;
-      const __m256 minus4 = _mm256_set1_ps(-4.f);
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(scale_lo, minus4), _mm256_loadu_ps(s), acc);
-      return _mm256_fmadd_ps(_mm256_mul_ps(scale_hi, minus4), _mm256_loadu_ps(s + 8), acc);
+      return offset_correct(acc, scale_lo, scale_hi, -4.f, x.qsum16 + m * (x.K / 16) + sb * 16);
     }
-    void affine(float* scale, float* bias) const {
-      const __m256 minus4 = _mm256_set1_ps(-4.f);
-      _mm256_storeu_ps(scale, scale_lo);
-      _mm256_storeu_ps(scale + 8, scale_hi);
-      _mm256_storeu_ps(bias, _mm256_mul_ps(scale_lo, minus4));
-      _mm256_storeu_ps(bias + 8, _mm256_mul_ps(scale_hi, minus4));
-    }
+    void affine(float* scale, float* bias) const { offset_affine(scale_lo, scale_hi, -4.f, scale, bias); }
   };
 };
 
@@ -741,18 +748,9 @@ struct KQuant<kQ6_K> {
     template <int J>
     __m256i scale() const { return scales.of<J>(); }
     __m256 correct(__m256 acc, const QuantizedX& x, int64_t m, int64_t sb) const {
-      const float* s = x.qsum16 + m * (x.K / 16) + sb * 16;
-      const __m256 minus32 = _mm256_set1_ps(-32.f);
-      acc = _mm256_fmadd_ps(_mm256_mul_ps(scale_lo, minus32), _mm256_loadu_ps(s), acc);
-      return _mm256_fmadd_ps(_mm256_mul_ps(scale_hi, minus32), _mm256_loadu_ps(s + 8), acc);
+      return offset_correct(acc, scale_lo, scale_hi, -32.f, x.qsum16 + m * (x.K / 16) + sb * 16);
     }
-    void affine(float* scale, float* bias) const {
-      const __m256 minus32 = _mm256_set1_ps(-32.f);
-      _mm256_storeu_ps(scale, scale_lo);
-      _mm256_storeu_ps(scale + 8, scale_hi);
-      _mm256_storeu_ps(bias, _mm256_mul_ps(scale_lo, minus32));
-      _mm256_storeu_ps(bias + 8, _mm256_mul_ps(scale_hi, minus32));
-    }
+    void affine(float* scale, float* bias) const { offset_affine(scale_lo, scale_hi, -32.f, scale, bias); }
   };
 };
 
