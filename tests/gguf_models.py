@@ -88,17 +88,27 @@ SCALE_OFFSETS = {
     GGMLQuantizationType.Q5_K: (0, 2),
     GGMLQuantizationType.Q6_K: (208,),
 }
+# The largest |sub-block scale x quant| of each K-quant (Q2_K: 4-bit scale x 2-bit quant ... Q6_K: int8
+# scale x 6-bit quant): random blocks divide their float16 scales by it, so weights stay within about
+# +-0.1, as a trained model's do, and activations through a model of them stay in a realistic range.
+K_QUANT_PEAK = {
+    GGMLQuantizationType.Q2_K: 15 * 3,
+    GGMLQuantizationType.Q3_K: 32 * 4,
+    GGMLQuantizationType.Q4_K: 63 * 15,
+    GGMLQuantizationType.Q5_K: 63 * 31,
+    GGMLQuantizationType.Q6_K: 128 * 32,
+}
 
 
 def random_gguf_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
     """Random bytes forming valid blocks of `qtype` for a tensor of `shape` (the `gguf` library quantizes
-    to few types): each block's float16 scales set to small finite values."""
+    to few types): each block's float16 scales set to small finite values (`K_QUANT_PEAK`)."""
     block, type_size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     rows = int(np.prod(shape[:-1]))
     data = rng.integers(0, 256, (rows * shape[-1] // block, type_size), dtype=np.uint8)
     for offset in SCALE_OFFSETS.get(qtype, (0,)):
-        scales = rng.uniform(0.001, 0.01, (len(data), 1)).astype(np.float16)
+        scales = (rng.uniform(0.01, 0.1, (len(data), 1)) / K_QUANT_PEAK.get(qtype, 10)).astype(np.float16)
         data[:, offset : offset + 2] = scales.view(np.uint8)
     return data.reshape(*shape[:-1], shape[-1] // block * type_size)
 

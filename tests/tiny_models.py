@@ -29,6 +29,7 @@ from transformers import (
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     Starcoder2Config,
 )
 
@@ -115,6 +116,10 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
+    ),
+    # Every layer sparse, routing weights renormalised over the chosen experts; q/k norms.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     ),
     "olmo2": lambda: Olmo2Config(**_COMMON),
     "granite": lambda: GraniteConfig(

@@ -223,12 +223,11 @@ class LayerConfig:
 
     `layer_impl` None takes STRATA_USE_HW_AGNOSTIC. `custom_ops` starts from "all" or "none" and adjusts
     single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
-    `prepack_weights` lets layers keep a second copy of their weights in a faster kernel's own layout
-    (STRATA_PREPACK_WEIGHTS; on): more memory for speed, and only while a quarter of the machine's memory
-    stays free (`strata.platforms.cpu.layers.prepacked_copy`).
+    `prepack_weights` lets layers replace their weights by a faster kernel's own layout after loading
+    (STRATA_PREPACK_WEIGHTS; on): each weight is still held once (`strata.platforms.cpu.layers.pack_in_place`).
     `fp32_matmul_precision` is the `torch.set_float32_matmul_precision` float32 weights are packed under
     (None: whatever torch's is when the model loads): "high" or "medium" lets CPUs with AMX multiply them as
-    bf16x3 from 4 rows of x on (`amx_panel_gemm.h`), "highest" keeps exact float32.
+    bf16x3 (`amx_panel_gemm.h`), "highest" keeps exact float32.
     """
 
     layer_impl: str | None = None

@@ -97,9 +97,11 @@ def test_every_norm_and_glu_is_replaced(
     # Apertus and Gemma2 four; Phi, Starcoder2, Cohere, GPT-2, GPT-NeoX and OPT use LayerNorm. Phi3's MLP
     # already merges gate and up and is left as it is, and so are Mixtral's experts (one fused parameter for
     # all of them); Apertus, Phi, Starcoder2, the GPTs and OPT have plain MLPs; Qwen2-MoE's dense shared
-    # expert is a GLU.
+    # expert is a GLU, and Qwen3-MoE has experts only.
     layer_norm_archs = ("phi", "starcoder2", "cohere", "gpt2", "gpt_neox", "opt")
-    norms_per_layer = {"gemma3": 6, "gemma2": 4, "olmo2": 4, "qwen3": 4, "apertus": 4}.get(arch, 2)
+    norms_per_layer = {"gemma3": 6, "gemma2": 4, "olmo2": 4, "qwen3": 4, "qwen3_moe": 4, "apertus": 4}.get(
+        arch, 2
+    )
     assert num_norms == (0 if arch in layer_norm_archs else norms_per_layer * layers + 1)
     # Every nn.LayerNorm is Strata's `layer_norm` (Phi's one a layer: attention and MLP share it); Cohere's
     # own LayerNorm class (no bias, float32) stays.
@@ -108,7 +110,7 @@ def test_every_norm_and_glu_is_replaced(
     assert not any(isinstance(m, Conv1D) for m in model.modules())  # GPT-2's: Strata's Linear now
     layer_norms_per_layer = {"phi": 1, "cohere": 0}.get(arch, 2 if arch in layer_norm_archs else 0)
     assert num_layer_norms == (layer_norms_per_layer * layers + 1 if layer_norms_per_layer else 0)
-    no_glu = ("phi3", "mixtral", "apertus", "phi", "starcoder2", "gpt2", "gpt_neox", "opt")
+    no_glu = ("phi3", "mixtral", "qwen3_moe", "apertus", "phi", "starcoder2", "gpt2", "gpt_neox", "opt")
     assert num_glus == (0 if arch in no_glu else layers)
 
 
@@ -116,7 +118,8 @@ def test_merged_gate_up_holds_the_checkpoint_tensors(tiny_model_dir: Callable[[s
     folder = tiny_model_dir("llama")
     model, _ = build_model(ModelConfig(str(folder)), LayerConfig(), get_platform("cpu"))
     checkpoint = load_file(folder / "model.safetensors")
-    merged = model.get_parameter("model.layers.1.mlp.gate_up_proj.weight")
+    # Through state_dict: the parameter itself may be a stand-in for the packed panels that replaced it.
+    merged = model.state_dict()["model.layers.1.mlp.gate_up_proj.weight"]
     expected = torch.cat(
         [checkpoint["model.layers.1.mlp.gate_proj.weight"], checkpoint["model.layers.1.mlp.up_proj.weight"]]
     )

@@ -18,8 +18,10 @@ from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from strata import LLM, SamplingParams
+from strata.custom_op import reference_of
 from strata.gguf_file import open_gguf
-from strata.hw_agnostic.layers import GGUFEmbedding, GGUFLinear
+from strata.hw_agnostic.layers import GGUFEmbedding, GGUFExperts, GGUFLinear
+from strata.hw_agnostic.layers.gguf import EXPERT_PROJECTIONS
 
 from gguf_models import smollm2_gguf, write_tiny_gguf
 from tiny_models import TINY_CONFIGS
@@ -42,10 +44,12 @@ def _gguf_config(arch: str) -> PretrainedConfig:
         config.head_dim = type(config)().head_dim
     if arch == "gpt2":
         config.n_positions = 1024
-    if arch == "qwen2_moe":  # sizes GGUF's qwen2moe metadata has no key for: the config's defaults
+    if arch in ("qwen2_moe", "qwen3_moe"):  # sizes their GGUF metadata has no key for: the config's defaults
         defaults = type(config)()
         config.moe_intermediate_size = defaults.moe_intermediate_size
-        config.shared_expert_intermediate_size = defaults.shared_expert_intermediate_size
+        config.shared_expert_intermediate_size = getattr(defaults, "shared_expert_intermediate_size", None)
+    if arch == "qwen3_moe":  # rows of 256 for the K-quant experts; llama.cpp renormalises routing weights
+        config.hidden_size, config.norm_topk_prob = 256, True
     return config
 
 
@@ -60,6 +64,15 @@ CASES = {
     "starcoder2": Q.Q8_0,
     "gpt2": Q.Q4_0,
     "qwen2_moe": Q.Q8_0,
+    "qwen3_moe": Q.Q4_0,
+}
+# Tensors written in other types, as K-quant mixes do: each expert stack of the MoE in its own K-quant.
+MIXED_TYPES = {
+    "qwen3_moe": {
+        f"blk.{layer}.ffn_{name}_exps.weight": qtype
+        for layer in range(3)
+        for name, qtype in (("gate", Q.Q4_K), ("up", Q.Q5_K), ("down", Q.Q6_K))
+    }
 }
 
 
@@ -74,7 +87,12 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory):
 
     @functools.cache
     def build(arch: str) -> Path:
-        return write_tiny_gguf(_gguf_config(arch), folder / f"{arch}.gguf", qtype=CASES[arch])
+        return write_tiny_gguf(
+            _gguf_config(arch),
+            folder / f"{arch}.gguf",
+            qtype=CASES[arch],
+            random_blocks=MIXED_TYPES.get(arch),
+        )
 
     return build
 
@@ -118,10 +136,35 @@ def test_tiny_architectures_match_transformers(arch: str, tiny_gguf) -> None:
     assert kept, f"no linear layer of {arch} kept its GGUF weights"
     assert all(m.qweight.dtype == torch.uint8 and m.qtype == CASES[arch] for m in kept)
     assert any(isinstance(m, GGUFEmbedding) for m in model.modules()), "the embedding table was dequantized"
+    if getattr(model.config, "num_experts", None):
+        experts = [m for m in model.modules() if isinstance(m, GGUFExperts)]
+        assert len(experts) == model.config.num_hidden_layers, "the expert stacks were dequantized"
+        mixed = MIXED_TYPES.get(arch, {})
+        want = [mixed.get(f"blk.0.ffn_{name}_exps.weight", CASES[arch]) for name in EXPERT_PROJECTIONS]
+        assert experts[0].qtypes == want
+        # The platform's experts compute what the reference does (int8 activations: close, not equal).
+        inputs = experts[0].example_inputs(7, torch.Generator().manual_seed(0), torch.float32)[0]
+        got, want = experts[0](*inputs), reference_of(experts[0])(*inputs)
+        assert (got - want).abs().max() <= 0.03 * want.abs().max()
 
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=0)
     out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
     _check_against(_reference_greedy(path, PROMPT, DECODE_STEPS), out)
+
+
+def test_reference_layers_compiled_match_transformers(tiny_gguf) -> None:
+    """The hw-agnostic layers (every GGUF type dequantized in pure PyTorch, the experts' routing in one op)
+    under torch.compile, as a platform without kernels runs them: transformers' numbers, to float32 rounding."""
+    path = tiny_gguf("qwen3_moe")
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=128, compile=True, layer_impl="hw-agnostic")
+    assert any(type(m) is GGUFExperts for m in llm.engine.runner.model.modules())
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    reference = _reference_greedy(path, PROMPT, DECODE_STEPS)
+    reference.check(out.token_ids)
+    token = reference.tokens[0]
+    want_logprob = torch.log_softmax(reference.first_logits.double(), -1)[token].item()
+    assert out.logprobs[0][token].logprob == pytest.approx(want_logprob, abs=1e-4)
 
 
 def _check_against(reference: Reference, out) -> None:

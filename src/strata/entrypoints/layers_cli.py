@@ -28,16 +28,15 @@ def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepack-weights",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep a second copy of CPU linear weights packed for prefill and batches (float32 on AVX-512: "
-        "Strata's panels, from 4 rows or for weights of 1 MB; else oneDNN's layout, over 8 rows): faster "
-        "there, twice the linear weights' memory (default: STRATA_PREPACK_WEIGHTS, on)",
+        help="replace float32 CPU linear weights by Strata's GEMM panels after loading (AVX-512 builds), read "
+        "at every batch size; each weight is still held once (default: STRATA_PREPACK_WEIGHTS, on)",
     )
     parser.add_argument(
         "--fp32-matmul-precision",
         choices=FP32_MATMUL_PRECISIONS,
         default=None,
         help="torch.set_float32_matmul_precision for packing float32 weights: 'high' multiplies them as bf16x3 "
-        "on CPUs with AMX, from 4 rows of x on (default: torch's own setting, 'highest' unless changed)",
+        "on CPUs with AMX, at every row count (default: torch's own setting, 'highest' unless changed)",
     )
 
 

@@ -1,6 +1,6 @@
 """Float32 linears at PyTorch's "high" matmul precision: on CPUs whose kernels are built for AMX, a weight
 packed under `torch.set_float32_matmul_precision("high")` is split into bfloat16 hi and lo parts and
-multiplied on the tile units as hi*hi + hi*lo + lo*hi ("bf16x3"), from 4 rows of x on. These tests hold the
+multiplied on the tile units as hi*hi + hi*lo + lo*hi ("bf16x3"), at every row count. These tests hold the
 results to float64 within what bf16x3 allows (about 2^-16 of the largest output, where bfloat16 alone or any
 of the three products left out is off by 2^-9 to 2^-8), check that the packed copy is what is read, and that
 "highest" packs exact float32 panels again."""
@@ -101,12 +101,17 @@ def test_high_precision_packs_bf16x3_and_matches_float64(
     out = torch.ops.strata_cpu.linear(x, weight, None, b)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
     assert _relative_error(out, expected) < BF16X3_TOLERANCE
-    # The copy is what is read from 4 rows on: a write behind the version counter changes only the dense
-    # weight, which 1 to 3 rows read exactly in float32.
+    # The items are what every row count reads: a write behind the version counter changes only the dense
+    # weight, which no width reads any more; the stand-in that replaces it reads the items too.
     weight.data.mul_(2)
-    assert _relative_error(torch.ops.strata_cpu.linear(x, weight, None, b), expected) < BF16X3_TOLERANCE
-    few = torch.ops.strata_cpu.linear(x[:3], weight, None, None)
-    torch.testing.assert_close(few.double(), x[:3].double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+    stand_in = torch.ops.strata_cpu.packed_stand_in(weight)
+    for rows_read in (1, 3, rows):
+        for w in (weight, stand_in):
+            out = torch.ops.strata_cpu.linear(x[:rows_read], w, None, b)
+            assert _relative_error(out, expected[:rows_read]) < BF16X3_TOLERANCE
+    assert (
+        _relative_error(torch.ops.strata_cpu.unpack_weight(stand_in), weight.double() / 2) < BF16X3_TOLERANCE
+    )
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -204,8 +209,8 @@ def test_an_engine_built_at_high_precision_generates_like_the_float32_one(
     # The layer report says which linears read bf16x3 copies.
     assert not any("bf16x3" in forward for forward in forwards["highest"])
     assert {
-        "forward_cpu (bf16x3 from 4 rows)",
-        "forward_cpu (strata_cpu::linear_glu, silu, bf16x3 from 4 rows)",
+        "forward_cpu (bf16x3)",
+        "forward_cpu (strata_cpu::linear_glu, silu, bf16x3)",
     } <= (forwards["high"])
     for exact, high in zip(outputs["highest"], outputs["high"], strict=True):
         assert exact.token_ids == high.token_ids

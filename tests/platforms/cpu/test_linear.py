@@ -5,7 +5,6 @@ every HF Linear of a built model replaced."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import subprocess
 import sys
@@ -74,13 +73,18 @@ def test_cpu_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 32, 512])
 def test_prepacked_linear_matches_nn_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    """After loading, a float32 weight on an AVX-512 build is replaced by its panels: the layer's `weight`
+    is a stand-in that holds no memory, every row count reads the panels, and `state_dict` still gives the
+    weight. Other weights keep their dense form and no copy."""
     ours, reference = _reference_pair(dtype, bias)
     ours.process_weights_after_loading()
-    # oneDNN has no bfloat16 path on CPUs without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (AVX2 ones): no copy
-    # there, and wide bfloat16 inputs go to ATen instead of raising oneDNN's error.
-    assert (ours._packed_weight is not None) == (dtype == torch.float32 or _onednn_has_bfloat16())
+    packed = dtype == torch.float32 and _has_avx512()
+    assert (ours._packed_weight is not None) == packed
+    assert cpu_layers.is_stand_in(ours.weight) == packed
+    assert ours.weight.shape == reference.weight.shape and ours.weight.dtype == dtype
+    assert torch.equal(ours.state_dict()["weight"], reference.weight)
     _check_against_reference(ours, reference, dtype, bias, rows)
 
 
@@ -102,52 +106,38 @@ def _check_against_reference(
     torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
 
 
-def test_prepacked_weight_is_read_for_wide_inputs_while_it_matches_the_weight() -> None:
-    weight, x = torch.randn(64, 96), torch.randn(16, 96)
-    expected = x @ weight.T
-    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
-    assert packed is not None
-    # A write through `.data` bypasses the version counter, so only the dense weight changes: wide inputs
-    # (over 8 rows) still see the old values, which shows they read the prepacked copy; narrow ones (up to 3
-    # rows) do not.
-    weight.data.mul_(2)
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), expected)
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:3], weight, None, None), 2 * expected[:3])
-    if _has_avx512():  # float32 panels are read from 4 rows on
-        torch.testing.assert_close(torch.ops.strata_cpu.linear(x[:4], weight, None, None), expected[:4])
-    weight.mul_(1)  # a tracked in-place write: the copy no longer matches the weight and is not read
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
-
-    repacked = torch.ops.strata_cpu.prepack_linear_weight(weight)
-    weight.data.mul_(2)
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
-    del repacked  # freed with its owner: the dense weight is read again
-    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 4 * expected)
-
-
-def test_below_four_rows_only_weights_of_a_megabyte_read_their_panels() -> None:
-    """On AVX-512 CPUs, 1 to 3 rows of x read a float32 weight's panels only when it (or a group's weights
-    together) has at least 1 MB; smaller weights stay on the small-batch kernel's dense path. The dense
-    weight is changed behind the version counter, so which copy was read shows in the result."""
+def test_registered_panels_are_read_at_every_row_count_while_they_match_the_weight() -> None:
+    """A weight registered with its panels is read through them at every row count, alone or in a group,
+    while it keeps its shape and version; its stand-in reads them too, and fails clearly once they are gone."""
     if not _has_avx512():
         pytest.skip("float32 weights are packed into panels only on AVX-512 CPUs")
     generator = torch.Generator().manual_seed(7)
-    big, small = torch.randn(512, 512, generator=generator), torch.randn(64, 512, generator=generator)
-    packed = [torch.ops.strata_cpu.prepack_linear_weight(w) for w in (big, small)]
-    x = torch.randn(3, 512, generator=generator)
-    expected = {"big": x @ big.T, "small": x @ small.T}
-    big.data.mul_(2)
-    small.data.mul_(2)
-    for rows in (1, 2, 3):
-        big_out = torch.ops.strata_cpu.linear(x[:rows], big, None, None)
-        small_out = torch.ops.strata_cpu.linear(x[:rows], small, None, None)
-        torch.testing.assert_close(big_out, expected["big"][:rows], rtol=1e-5, atol=1e-4)  # the panels
-        torch.testing.assert_close(small_out, 2 * expected["small"][:rows], rtol=1e-5, atol=1e-4)  # dense
-        grouped = torch.ops.strata_cpu.linear_group(x[:rows], [small, small, small, small])  # 512 KB
-        torch.testing.assert_close(grouped[:, :64], small_out, rtol=0, atol=0)
-        grouped = torch.ops.strata_cpu.linear_group(x[:rows], [big, small])  # 1.1 MB together: panels
-        torch.testing.assert_close(grouped[:, 512:], expected["small"][:rows], rtol=1e-5, atol=1e-4)
-    del packed
+    weight, small = torch.randn(64, 96, generator=generator), torch.randn(16, 96, generator=generator)
+    x = torch.randn(16, 96, generator=generator)
+    expected = x @ weight.T
+    packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+    assert packed is not None
+    # A write through `.data` bypasses the version counter, so only the dense weight changes: every width
+    # still sees the old values, which shows it reads the panels.
+    weight.data.mul_(2)
+    stand_in = torch.ops.strata_cpu.packed_stand_in(weight)
+    assert stand_in.shape == weight.shape and stand_in.stride() == (0, 0)
+    assert stand_in.untyped_storage().nbytes() == 4
+    for rows in (1, 2, 3, 4, 8, 9, 16):
+        for w in (weight, stand_in):
+            torch.testing.assert_close(
+                torch.ops.strata_cpu.linear(x[:rows], w, None, None), expected[:rows], rtol=1e-5, atol=1e-4
+            )
+        grouped = torch.ops.strata_cpu.linear_group(x[:rows], [stand_in, small])  # the small one dense
+        torch.testing.assert_close(grouped[:, :64], expected[:rows], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grouped[:, 64:], x[:rows] @ small.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.ops.strata_cpu.unpack_weight(stand_in), weight / 2, rtol=0, atol=0)
+    weight.mul_(1)  # a tracked in-place write: the panels no longer match the weight and are not read
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
+    del packed  # freed with its owner: the weight reads itself, the stand-in has nothing left to read
+    torch.testing.assert_close(torch.ops.strata_cpu.linear(x, weight, None, None), 2 * expected)
+    with pytest.raises(RuntimeError, match="packed form that replaced this"):
+        torch.ops.strata_cpu.linear(x, stand_in, None, None)
 
 
 def _mapping_of(address: int) -> dict[str, str] | None:
@@ -191,60 +181,36 @@ def test_panels_of_two_megabytes_and_more_get_their_own_huge_page_mapping() -> N
     assert _mapping_of(address) is None
 
 
-def test_a_weight_shared_by_two_layers_is_packed_once() -> None:
+def test_a_weight_shared_by_two_layers_keeps_its_dense_form_and_no_copy() -> None:
+    """A weight another module holds too (an embedding tied to its output head reads its rows) cannot be
+    freed, so packing it would hold it twice: both layers keep it dense and read it as it is."""
     first = cpu_layers.CpuLinear(96, 130)
     second = cpu_layers.CpuLinear(96, 130)
-    second.weight = first.weight  # tied, as an embedding and its output head may be
+    nn.init.normal_(first.weight)
+    second.weight = first.weight
     first.process_weights_after_loading()
     second.process_weights_after_loading()
-    assert first._packed_weight is not None and second._packed_weight is not None
-    assert first._packed_weight.value is second._packed_weight.value
+    assert first._packed_weight is None and second._packed_weight is None
+    assert first.weight is second.weight and not cpu_layers.is_stand_in(first.weight)
+    x = torch.randn(20, 96)
+    torch.testing.assert_close(first(x), x @ first.weight.T, rtol=1e-5, atol=1e-4)
     other = cpu_layers.CpuLinear(96, 130)
     other.process_weights_after_loading()
-    assert other._packed_weight is not None and other._packed_weight.value is not first._packed_weight.value
+    assert (other._packed_weight is not None) == _has_avx512()
 
 
-def test_no_prepacked_copy_where_it_would_leave_too_little_memory_free(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A copy is made only while a quarter of the machine's memory stays free after it; the first layer that
-    finds no room logs it once, and the layer then reads its dense weight for every input width."""
-    monkeypatch.setattr(cpu_layers, "_warned_memory_short", False)
-    floor = cpu_layers.PREPACK_KEEP_FREE_FRACTION * cpu_layers.host_memory.total_bytes()
-    copy_bytes = 130 * 96 * 4
-    layers = [build_layer("linear", 96, 130) for _ in range(3)]
-    for layer in layers:
-        nn.init.normal_(layer.weight)
-    free = {"bytes": int(floor + copy_bytes + 1)}
-    monkeypatch.setattr(cpu_layers.host_memory, "available_bytes", lambda: free["bytes"])
-    layers[0].process_weights_after_loading()
-    assert layers[0]._packed_weight is not None
-    free["bytes"] -= 2  # the next copy would take the free memory below the floor
-    caplog.clear()  # building the layers logged the resolver's choice
-    with caplog.at_level(logging.WARNING, logger="strata.platforms.cpu"):
-        layers[1].process_weights_after_loading()
-        layers[2].process_weights_after_loading()
-    assert layers[1]._packed_weight is None and layers[2]._packed_weight is None
-    assert [r.getMessage() for r in caplog.records if "prepacked" in r.getMessage()] == [
-        caplog.records[0].getMessage()
-    ]
-    assert "prepack_weights=False" in caplog.records[0].getMessage()
-    x = torch.randn(20, 96)
-    torch.testing.assert_close(layers[1](x), nn.functional.linear(x, layers[1].weight))
-
-
-def test_only_contiguous_weights_of_the_kernel_dtypes_are_prepacked() -> None:
+def test_only_contiguous_float32_weights_are_packed() -> None:
+    """Panels for float32 only (on AVX-512 builds): bfloat16 and int8 weights keep their dense form, which
+    the small-batch kernel reads for few rows and oneDNN for wide inputs."""
     assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(96, 64).t()) is None
-    assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=torch.float16)) is None
-    assert (
-        torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int32)) is None
-    )
-    # int8 weights are packed widened to bfloat16, where wide inputs multiply them in bfloat16; bfloat16 and
-    # int8 only where oneDNN has a bfloat16 path.
-    int8_packed = torch.ops.strata_cpu.prepack_linear_weight(torch.randint(-5, 5, (64, 96), dtype=torch.int8))
-    assert (int8_packed is not None) == _onednn_has_bfloat16()
-    bf16_packed = torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=torch.bfloat16))
-    assert (bf16_packed is not None) == _onednn_has_bfloat16()
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96, dtype=dtype)) is None
+    for dtype in (torch.int8, torch.int32):
+        weight = torch.randint(-5, 5, (64, 96), dtype=dtype)
+        assert torch.ops.strata_cpu.prepack_linear_weight(weight) is None
+    assert (torch.ops.strata_cpu.prepack_linear_weight(torch.randn(64, 96)) is not None) == _has_avx512()
+    with pytest.raises(RuntimeError, match="no registered float32 panels"):
+        torch.ops.strata_cpu.packed_stand_in(torch.randn(64, 96))
 
 
 def _packed_copies(model: nn.Module, layer_class: type) -> list[bool]:
@@ -262,26 +228,36 @@ def _packed_copies(model: nn.Module, layer_class: type) -> list[bool]:
     ]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_engine_prepacks_linear_weights_unless_told_not_to(
-    tiny_model_dir: Callable[[str], Path], quantization: str | None
-) -> None:
-    if quantization == "int8" and not _onednn_has_bfloat16():
-        pytest.skip("int8 weights are prepacked only where oneDNN has a bfloat16 path")
-    layer_class = cpu_layers.CpuInt8Linear if quantization else cpu_layers.CpuLinear
+def _weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes the CPU linears' weights would take dense, and bytes their weight storages and packed forms
+    hold (a fused GLU MLP's panels counted for its projection)."""
+    glu_panels = {
+        id(m.gate_up_proj): m._glu_panels for m in model.modules() if isinstance(m, cpu_layers.CpuGluMLP)
+    }
+    nominal = held = 0
+    for m in model.modules():
+        if isinstance(m, cpu_layers.CpuLinear):
+            nominal += m.weight.numel() * m.weight.element_size()
+            held += m.weight.untyped_storage().nbytes()
+            for packed in (m._packed_weight, glu_panels.get(id(m))):
+                held += 0 if packed is None else packed.value.untyped_storage().nbytes()
+    return nominal, held
+
+
+def test_engine_holds_each_linear_weight_once(tiny_model_dir: Callable[[str], Path]) -> None:
+    """A float32 model loaded with `prepack_weights` holds its linears' weights once: on AVX-512 builds as
+    panels only (padding aside, the weights' own bytes, not twice them), elsewhere dense only; greedy tokens
+    are those of the engine that packs nothing."""
     prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 120 for j in range(24)]} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens, packed = {}, {}
     for prepack in (True, False):
-        llm = LLM(
-            str(tiny_model_dir("llama")),
-            skip_tokenizer_init=True,
-            prepack_weights=prepack,
-            quantization=quantization,
-        )
-        packed[prepack] = llm.apply_model(lambda model: _packed_copies(model, layer_class))
+        llm = LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, prepack_weights=prepack)
+        nominal, held = llm.apply_model(_weight_bytes)
+        assert nominal <= held <= 1.1 * nominal
+        packed[prepack] = llm.apply_model(lambda model: _packed_copies(model, cpu_layers.CpuLinear))
         tokens[prepack] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    assert packed[True] and all(packed[True]) and not any(packed[False])
+    assert packed[True] and all(packed[True]) == _has_avx512() and not any(packed[False])
     assert tokens[True] == tokens[False]
     with pytest.raises(ConfigError, match="prepack_weights"):
         LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, prepack_weights="yes")

@@ -7,7 +7,7 @@ faster forwards (`strata.platforms.<name>.layers`). Importing this package regis
 """
 
 from strata.hw_agnostic.layers.activation import GeluAndMul, SiluAndMul
-from strata.hw_agnostic.layers.gguf import GGUFEmbedding, GGUFLinear
+from strata.hw_agnostic.layers.gguf import GGUFEmbedding, GGUFExperts, GGUFLinear
 from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm, LayerNorm, RMSNorm
 from strata.hw_agnostic.layers.linear import Linear
 from strata.hw_agnostic.layers.mlp import GluMLP
@@ -15,6 +15,7 @@ from strata.hw_agnostic.layers.quantization import Int8Linear
 
 __all__ = [
     "GGUFEmbedding",
+    "GGUFExperts",
     "GGUFLinear",
     "GeluAndMul",
     "GemmaRMSNorm",

@@ -6,17 +6,19 @@ converter did to it (Llama's rotary row order, Gemma's norm offset, GPT-2's tran
 
 A 2-D tensor of a quantized (or 16-bit) type that feeds a linear layer or the embedding table is not
 dequantized: that module becomes a `gguf_linear` / `gguf_embedding` layer holding the file's own blocks (a
-view of the memory-mapped file, so the weights cost no memory of their own). Transformations that only
-reorder rows are found by running the processor on a column of row numbers and applied to the rows of
-blocks; a tensor whose conversion changes values stays on the dense path. Every other tensor (norms,
-biases, stacked experts) is dequantized, processed exactly as transformers does, and loaded like a
-safetensors tensor.
+view of the memory-mapped file, so the weights cost no memory of their own). A mixture of experts' stacked
+gate, up and down tensors (`ffn_*_exps`) likewise make transformers' experts module a `gguf_experts`
+layer. Transformations that only reorder rows are found by running the processor on a column of row
+numbers and applied to the rows of blocks; a tensor whose conversion changes values stays on the dense
+path. Every other tensor (norms, biases) is dequantized, processed exactly as transformers does, and
+loaded like a safetensors tensor.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,9 +28,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import MODEL_TENSOR, TENSOR_NAMES, GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 from torch import nn
+from transformers.activations import ACT2FN
+from transformers.integrations import moe
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     TensorProcessor,
@@ -38,9 +42,20 @@ from transformers.pytorch_utils import Conv1D
 
 from strata.gguf_file import GGUFError, architecture, open_gguf
 from strata.hw_agnostic.gguf_quants import COMPUTED_TYPES
+from strata.hw_agnostic.layers.gguf import EXPERT_PROJECTIONS
 from strata.models.transformers.layers import LayerResolver
 
 logger = logging.getLogger("strata.models.gguf")
+
+# The gguf library's names of a layer's stacked expert tensors ("blk.{bid}.ffn_gate_exps"), as patterns.
+_EXPERT_TENSOR_NAMES = {
+    name: re.compile(re.escape(TENSOR_NAMES[tensor]).replace(r"\{bid\}", r"\d+") + r"\.weight")
+    for name, tensor in zip(
+        EXPERT_PROJECTIONS,
+        (MODEL_TENSOR.FFN_GATE_EXP, MODEL_TENSOR.FFN_UP_EXP, MODEL_TENSOR.FFN_DOWN_EXP),
+        strict=True,
+    )
+}
 
 
 @dataclass
@@ -68,13 +83,16 @@ class GGUFCheckpoint:
             # Named after the file's architecture, which can differ from the model's (Mistral files are
             # "llama" ones).
             with _tensor_name_maps_cached():
-                self.name_map: dict[str, str] = get_gguf_hf_weights_map(model, self.processor, model_type=arch)
+                self.name_map: dict[str, str] = get_gguf_hf_weights_map(
+                    model, self.processor, model_type=arch
+                )
         except NotImplementedError as exc:
             raise GGUFError(
                 f"{path.name}: the gguf library cannot name the tensors of {arch!r} ({exc})"
             ) from exc
         self.ties: dict[str, str] = model.get_expanded_tied_weights_keys(all_submodels=True)
         self.kept: dict[str, KeptWeight] = {}  # by the HF parameter name the tensor would have filled
+        self.kept_experts: dict[str, dict[str, ReaderTensor]] = {}  # module path -> gate/up/down tensors
         for tensor in self.reader.tensors:
             self._check_type(tensor)
 
@@ -115,7 +133,42 @@ class GGUFCheckpoint:
             if new is not None:
                 model.set_submodule(module_path, new)
                 self.kept[target] = KeptWeight(module_path, kept.tensor, kept.row_order)
-        return len(self.kept)
+        self._replace_experts(model, resolver, dtype)
+        return len(self.kept) + len(self.kept_experts)
+
+    def _replace_experts(self, model: nn.Module, resolver: LayerResolver, dtype: torch.dtype) -> None:
+        """Make each experts module whose three stacks the file holds in computed types `gguf_experts`."""
+        stacks: dict[str, dict[str, ReaderTensor]] = {}
+        for tensor in self.reader.tensors:
+            projection = next(
+                (p for p, rx in _EXPERT_TENSOR_NAMES.items() if rx.fullmatch(tensor.name)), None
+            )
+            hf_name = self.name_map.get(tensor.name.removesuffix(".weight"))
+            if projection is None or hf_name is None or len(tensor.shape) != 3:
+                continue
+            if tensor.tensor_type == GGMLQuantizationType.F32 or tensor.tensor_type not in COMPUTED_TYPES:
+                continue
+            stacks.setdefault(hf_name.rpartition(".")[0], {})[projection] = tensor
+        for module_path, tensors in stacks.items():
+            module = _submodule(model, module_path)
+            if len(tensors) < len(EXPERT_PROJECTIONS) or not _plain_gated_experts(module):
+                continue
+            experts, intermediate, hidden = (int(d) for d in reversed(tensors["gate"].shape))
+            shapes = {
+                "gate_up_proj": (experts, 2 * intermediate, hidden),
+                "down_proj": (experts, hidden, intermediate),
+            }
+            if any(tuple(getattr(module, name).shape) != shape for name, shape in shapes.items()):
+                continue
+            if any(self._row_order(tensor, module) is not None for tensor in tensors.values()):
+                continue  # an architecture that reorders expert rows: dense
+            qtypes = tuple(int(tensors[p].tensor_type) for p in EXPERT_PROJECTIONS)
+            with torch.device("meta"):
+                new = resolver.build(
+                    "gguf_experts", experts, hidden, intermediate, qtypes, module.config.hidden_act, dtype
+                )
+            model.set_submodule(module_path, new)
+            self.kept_experts[module_path] = tensors
 
     def _keeps_type(self, tensor: ReaderTensor) -> bool:
         return (
@@ -178,12 +231,20 @@ class GGUFCheckpoint:
                 shared[kept.tensor.name] = param
             model.get_submodule(kept.module_path).qweight = param
             loaded.add(f"{kept.module_path}.qweight")
+        for module_path, tensors in self.kept_experts.items():
+            layer = model.get_submodule(module_path)
+            for projection, tensor in tensors.items():
+                setattr(
+                    layer, f"{projection}_qweight", nn.Parameter(_blocks(tensor, None), requires_grad=False)
+                )
+                loaded.add(f"{module_path}.{projection}_qweight")
         return loaded
 
     def dense_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(parameter name, float tensor) for every tensor not kept in its GGUF type, converted as
         transformers' GGUF loader converts it; tensors the model has no place for are skipped, as there."""
         kept = {kept.tensor.name for kept in self.kept.values()}
+        kept.update(tensor.name for tensors in self.kept_experts.values() for tensor in tensors.values())
         parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
         for tensor in self.reader.tensors:
             if tensor.name in kept:
@@ -224,10 +285,26 @@ def _submodule(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def _plain_gated_experts(module: nn.Module | None) -> bool:
+    """Whether `module` is a transformers experts module computing what `gguf_experts` does: `[gate; up]`
+    stacked, not transposed, no biases or norms, the default gating of its config's activation."""
+    return (
+        getattr(module, "has_gate", False)
+        and getattr(module, "is_concatenated", False)
+        and not getattr(module, "is_transposed", True)
+        and not getattr(module, "has_bias", True)
+        and not getattr(module, "has_post_expert_norm", True)
+        and getattr(type(module), "_apply_gate", None) is getattr(moe, "_default_apply_gate", False)
+        and getattr(module.config, "hidden_act", None) in ACT2FN
+        and type(module.act_fn) is type(ACT2FN[module.config.hidden_act])
+    )
+
+
 def _blocks(tensor: ReaderTensor, row_order: np.ndarray | None) -> torch.Tensor:
-    """The tensor's bytes as uint8 [rows, row bytes]: the mapped file itself, or its rows reordered."""
-    rows = int(tensor.shape[1])
-    data = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+    """The tensor's bytes as uint8 [..., rows, row bytes] (experts first in a stack): the mapped file
+    itself, or its rows reordered."""
+    leading = [int(d) for d in reversed(tensor.shape[1:])]
+    data = np.asarray(tensor.data).view(np.uint8).reshape(*leading, -1)
     if row_order is not None:
         data = data[row_order]
     with warnings.catch_warnings():

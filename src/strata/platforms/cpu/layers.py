@@ -3,31 +3,33 @@
 
 Which of them a layer gets is the resolver's decision, made once per layer from `supports`: an
 implementation whose kernel did not build, or that does not take the layer's dtype, declines, and the next
-one registered for the op (or the reference) serves. What a kernel then does per call depends only on the
-call's shape:
+one registered for the op (or the reference) serves. What a kernel then does per call depends on the
+call's shape and the weight's form:
 
-- `strata_cpu::linear`: 1 to 3 rows of x stream the dense weight through the small-batch kernel; from 4
-  rows (or for weights of 1 MB and more) it multiplies the prepacked copy, Strata's float32 panel GEMM on
-  AVX-512 CPUs (bf16x3 on AMX ones under "high" precision), else oneDNN's layout from 9 rows; int8 weights
-  read as they are up to 8 rows and as bfloat16 copies above. See `docs/cpu-kernels.md`.
+- `strata_cpu::linear`: a float32 weight packed after loading (`prepack_weights`, AVX-512 builds) is held
+  only as Strata's column panels (bf16x3 items on AMX CPUs under "high" precision), which every row count
+  reads. Other weights stay dense: 1 to 8 rows stream them through the small-batch kernel (int8 widened in
+  registers), wider inputs go to oneDNN. See `docs/cpu-kernels.md`.
 - `strata_cpu::rms_norm`: one pass over each row, the residual add fused in.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from strata.config import get_current_layer_config
 from strata.custom_op import register_implementation
 from strata.hw_agnostic.layers import (
     GeluAndMul,
     GGUFEmbedding,
+    GGUFExperts,
     GGUFLinear,
     GluMLP,
     Int8Linear,
@@ -37,20 +39,15 @@ from strata.hw_agnostic.layers import (
     SiluAndMul,
 )
 from strata.hw_agnostic.layers.activation import halves
+from strata.hw_agnostic.layers.gguf import experts_op
 from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
-from strata.platforms.cpu import host_memory, kernels
+from strata.platforms.cpu import kernels
 from strata.process_local import ProcessLocalValue
-
-logger = logging.getLogger("strata.platforms.cpu")
 
 # Weight dtypes `strata_cpu::linear` reads (float16 weights take the reference, ATen's F.linear).
 _LINEAR_DTYPES = (torch.float32, torch.bfloat16)
 # Dtypes `strata_cpu::rms_norm` reads, for x and the weight alike.
 _NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-# A prepacked copy is made only while this share of the machine's memory stays free after it: a model that
-# loads without the copies must still load, with room for its KV cache, when they would not fit.
-PREPACK_KEEP_FREE_FRACTION = 0.25
 
 
 def _needs_kernel(
@@ -145,26 +142,36 @@ def float32_matmul_precision(precision: str | None) -> Iterator[None]:
         torch.set_float32_matmul_precision(previous)
 
 
-def prepacked_copy(
-    weight: torch.Tensor, glu_activation: str | None = None, fp32_matmul_precision: str | None = None
+def pack_in_place(
+    layer: CpuLinear, glu_activation: str | None = None
 ) -> ProcessLocalValue[torch.Tensor] | None:
-    """Register a packed copy of `weight` with `strata_cpu::linear` and return it for the layer to hold: it
-    lives as long as the layer, and the op finds it by the weight's storage. Process-local, because a saved
-    compiled trace pickles the layer and a oneDNN tensor cannot be pickled. With `glu_activation`, the copy
-    is a GLU MLP's [gate; up] weight packed for `strata_cpu::linear_glu` instead. A float32 weight is packed
-    under `fp32_matmul_precision` (None: torch's current setting): "high" or "medium" gives bf16x3 items on
-    CPUs with AMX. None where the op keeps no copy of this weight, or memory is short."""
-    copy_bytes = weight.numel() * (2 if weight.dtype == torch.int8 else weight.element_size())  # int8: bf16
-    available = host_memory.available_bytes()
-    if available - copy_bytes < PREPACK_KEEP_FREE_FRACTION * host_memory.total_bytes():
-        _warn_memory_short(available)
-        return None
-    with float32_matmul_precision(fp32_matmul_precision):
+    """Pack `layer.weight` for `strata_cpu::linear` (with `glu_activation`: a GLU MLP's [gate; up] for
+    `strata_cpu::linear_glu`) and let the packed form replace it, so the weight is held once: the layer's
+    `weight` becomes the op's stand-in for the packed tensor (same shape and dtype, no memory) and the dense
+    tensor is freed. Returns the packed tensor for the layer to hold (the op keeps weak references only);
+    process-local, because a saved compiled trace pickles the layer. A float32 weight is packed under the
+    layer's `fp32_matmul_precision` (None: torch's current setting): "high" or "medium" gives bf16x3 items on
+    CPUs with AMX. None, the dense weight kept, where the op has no such layout for this weight (float32 on
+    AVX-512 builds only) or where another module holds the same weight: an embedding tied to this head
+    reads its rows, so the packed form would be a second copy."""
+    with float32_matmul_precision(layer.fp32_matmul_precision):
         if glu_activation is None:
-            packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
+            packed = torch.ops.strata_cpu.prepack_linear_weight(layer.weight)
         else:
-            packed = torch.ops.strata_cpu.prepack_glu_weight(weight, glu_activation)
-    return None if packed is None else ProcessLocalValue(packed)
+            packed = torch.ops.strata_cpu.prepack_glu_weight(layer.weight, glu_activation)
+    if packed is None:
+        return None
+    dense = weakref.ref(layer.weight)
+    layer.weight = nn.Parameter(torch.ops.strata_cpu.packed_stand_in(layer.weight), requires_grad=False)
+    if (shared := dense()) is not None:
+        layer.weight = shared
+        return None
+    return ProcessLocalValue(packed)
+
+
+def is_stand_in(weight: torch.Tensor) -> bool:
+    """Whether `weight` is `strata_cpu::packed_stand_in`'s stand-in for a packed form (every stride 0)."""
+    return weight.dim() == 2 and weight.stride() == (0, 0)
 
 
 def is_bf16x3_copy(weight: torch.Tensor, copy: ProcessLocalValue[torch.Tensor] | None) -> bool:
@@ -173,26 +180,11 @@ def is_bf16x3_copy(weight: torch.Tensor, copy: ProcessLocalValue[torch.Tensor] |
     return copy is not None and weight.dtype == torch.float32 and copy.value.dtype == torch.bfloat16
 
 
-_warned_memory_short = False
-
-
-def _warn_memory_short(available: int) -> None:
-    """Once per process: a model's layers each ask in turn, and the first that finds no room says it."""
-    global _warned_memory_short
-    if _warned_memory_short:
-        return
-    _warned_memory_short = True
-    logger.warning(
-        "%.1f GiB of memory free: layers from here on keep no prepacked weight copy (their prefill and batches "
-        "run slower); prepack_weights=False turns the copies off everywhere",
-        available / 2**30,
-    )
-
-
 @register_implementation("cpu")
 class CpuLinear(Linear):
-    """Every batch through `strata_cpu::linear`, which picks its path by the number of rows (module
-    docstring); with `prepack_weights` the layer keeps the packed copy the wider inputs read."""
+    """Every batch through `strata_cpu::linear`, which picks its path by the number of rows and the weight's
+    form (module docstring); with `prepack_weights` a float32 weight is replaced by its packed form after
+    loading (`pack_in_place`), and `state_dict` gives the dense values back."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
@@ -210,17 +202,21 @@ class CpuLinear(Linear):
         return _needs_kernel("small_batch_linear", dtype, _LINEAR_DTYPES)
 
     def process_weights_after_loading(self) -> None:
-        if self.prepack:
-            self._packed_weight = prepacked_copy(
-                self.weight, fp32_matmul_precision=self.fp32_matmul_precision
-            )
+        if self.prepack and self._packed_weight is None:
+            self._packed_weight = pack_in_place(self)
 
     def forward_detail(self) -> str | None:
-        return "bf16x3 from 4 rows" if is_bf16x3_copy(self.weight, self._packed_weight) else None
+        return "bf16x3" if is_bf16x3_copy(self.weight, self._packed_weight) else None
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.strata_cpu.linear(x.reshape(-1, self.in_features), self.weight, None, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """The dense weight, unpacked from the packed form that replaced it (for references and checks)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_stand_in(self.weight):
+            destination[prefix + "weight"] = torch.ops.strata_cpu.unpack_weight(self.weight)
 
 
 # Activation dtypes the int8 paths take; others run the reference.
@@ -229,26 +225,14 @@ _INT8_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 
 @register_implementation("cpu")
 class CpuInt8Linear(Int8Linear):
-    """Int8 weights through `strata_cpu::linear`, which widens them in registers up to 8 rows and multiplies
-    a bfloat16 copy of them above (exact: int8 fits bfloat16's significand), float32 activations and scales
-    taken as they are."""
-
-    def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None
-    ) -> None:
-        super().__init__(in_features, out_features, bias, dtype)
-        self.prepack = get_current_layer_config().prepack_weights
-        self._packed_weight: ProcessLocalValue[torch.Tensor] | None = None
+    """Int8 weights through `strata_cpu::linear`, which widens them in registers up to 8 rows and, above,
+    multiplies them widened to bfloat16 for the call (exact: int8 fits bfloat16's significand), float32
+    activations and scales taken as they are. No packed copy: a bfloat16 one would take twice the int8
+    weights' memory (docs/cpu-kernels.md, "Packed weights")."""
 
     @classmethod
     def supports(cls, *args: Any, **kwargs: Any) -> str | None:
         return _needs_kernel("small_batch_linear")
-
-    def process_weights_after_loading(self) -> None:
-        """With `prepack_weights`, a bfloat16 copy of the int8 weights in oneDNN's layout, which inputs wider
-        than 8 rows multiply instead of widening the weights on every call."""
-        if self.prepack:
-            self._packed_weight = prepacked_copy(self.qweight)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in _INT8_ACTIVATION_DTYPES:
@@ -286,6 +270,29 @@ class CpuGGUFEmbedding(GGUFEmbedding):
 
     def forward_cpu(self, ids: torch.Tensor) -> torch.Tensor:
         return self.finish(torch.ops.strata_cpu.gguf_embedding(self.qweight, ids, self.qtype))
+
+
+def _kernel_product(x: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    return torch.ops.strata_cpu.gguf_linear(x.float(), qweight, qtype, None).to(x.dtype)
+
+
+_kernel_experts = experts_op("strata::gguf_experts_cpu", _kernel_product)
+
+
+@register_implementation("cpu")
+class CpuGGUFExperts(GGUFExperts):
+    """Each expert's products through `strata_cpu::gguf_linear` on its slice of the stacked blocks."""
+
+    @classmethod
+    def supports(cls, *args: Any, **kwargs: Any) -> str | None:
+        return _needs_kernel("gguf_linear")
+
+    def forward_cpu(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return _kernel_experts(
+            hidden_states, top_k_index, top_k_weights, self.stacks(), self.qtypes, self.activation
+        )
 
 
 # Up to this many rows ATen's int8 kernel wins; above it the bfloat16 matmul does.
@@ -355,7 +362,7 @@ def _fused_activation(act_and_mul: Any) -> str | None:
 class CpuGluMLP(GluMLP):
     """The projection and the activation as one op, `strata_cpu::linear_glu`, where both are this platform's
     own: the activation is applied to the GEMM's sums in registers, so the [tokens, 2 x intermediate] product
-    never goes to memory and back. Decided after loading (the packed [gate; up] copy must fit in memory);
+    never goes to memory and back. Decided after loading (where `[gate; up]` packs into paired panels);
     otherwise the sublayers run one after another, as in the reference."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -368,25 +375,27 @@ class CpuGluMLP(GluMLP):
         return _needs_kernel("small_batch_linear")
 
     def process_weights_after_loading(self) -> None:
-        """Pack `[gate; up]` for `linear_glu` where it serves this layer (this platform's Linear with its
-        prepacked copy, no bias, an activation it computes); that copy replaces the projection's own."""
+        """Pack `[gate; up]` for `linear_glu` where it serves this layer (this platform's Linear, packing its
+        weights, no bias, an activation it computes): these panels replace the projection's weight, which
+        then packs nothing of its own (the loader reaches this layer before its sublayers)."""
         gate_up, activation = self.gate_up_proj, _fused_activation(self.act_fn)
         if (
             activation is None
             or type(gate_up) is not CpuLinear
             or not gate_up.prepack
             or gate_up.bias is not None
+            or self._glu_panels is not None
         ):
             return
-        self._glu_panels = prepacked_copy(gate_up.weight, activation, gate_up.fp32_matmul_precision)
+        self._glu_panels = pack_in_place(gate_up, activation)
         if self._glu_panels is not None:
             self.fused_activation = activation
-            gate_up.prepack, gate_up._packed_weight = False, None
+            gate_up.prepack = False
 
     def forward_detail(self) -> str | None:
         if self.fused_activation is None:
             return None
-        bf16x3 = ", bf16x3 from 4 rows" if is_bf16x3_copy(self.gate_up_proj.weight, self._glu_panels) else ""
+        bf16x3 = ", bf16x3" if is_bf16x3_copy(self.gate_up_proj.weight, self._glu_panels) else ""
         return f"strata_cpu::linear_glu, {self.fused_activation}{bf16x3}"
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:

@@ -114,6 +114,31 @@ inline at::Tensor pack_amx_panels(const at::Tensor& weight, bool glu) {
   return packed;
 }
 
+// The weight [N, K] that `pack_amx_panels(weight, glu)` packed into `packed`, each value as hi + lo (within
+// about 2^-16 of the original): for a reader of a weight whose items replaced it.
+inline at::Tensor unpack_amx_panels(const at::Tensor& packed, int64_t N, int64_t K, bool glu) {
+  const int64_t steps = amx_padded_depth(K) / kAmxDepth;
+  at::Tensor weight = at::empty({N, K}, packed.options().dtype(at::kFloat));
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  float* w = weight.data_ptr<float>();
+  at::parallel_for(0, amx_item_count(N, glu), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t c = 0; c < kAmxItemColumns; ++c) {
+        const int64_t row = amx_item_row(g, c, N, glu);
+        if (row < 0) continue;
+        const int64_t tile = c / kAmxTileColumns, column = c % kAmxTileColumns;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint16_t* step = p + (g * steps + k / kAmxDepth) * kAmxStepElements;
+          const int64_t at = ((k % kAmxDepth) / 2 * kAmxTileColumns + column) * 2 + k % 2;
+          w[row * K + k] =
+              bfloat16_value(step[tile * kAmxBlockElements + at]) + bfloat16_value(step[(2 + tile) * kAmxBlockElements + at]);
+        }
+      }
+    }
+  });
+  return weight;
+}
+
 #ifdef STRATA_AMX
 
 // Whether this process may use the tile registers: Linux hands them out on request (arch_prctl), once.

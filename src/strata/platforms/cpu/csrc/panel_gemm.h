@@ -91,6 +91,26 @@ inline at::Tensor pack_panels(const at::Tensor& weight, bool glu = false) {
   return packed;
 }
 
+// The weight [N, K] that `pack_panels(weight, glu)` packed into `packed`: the dense values, for a reader of
+// a weight whose panels replaced it.
+inline at::Tensor unpack_panels(const at::Tensor& packed, int64_t N, int64_t K, bool glu) {
+  at::Tensor weight = at::empty({N, K}, packed.options());
+  const float* p = packed.data_ptr<float>();
+  float* w = weight.data_ptr<float>();
+  at::parallel_for(0, panel_count(N), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kPanelColumns, columns = std::min(kPanelColumns, N - n0);
+      const int64_t width = panel_width(columns);
+      const float* panel = p + n0 * K;
+      for (int64_t j = 0; j < columns; ++j) {
+        float* row = w + panel_row(n0, columns, j, N, glu) * K;
+        for (int64_t k = 0; k < K; ++k) row[k] = panel[k * width + j];
+      }
+    }
+  });
+  return weight;
+}
+
 // The first n (at most kLanes) floats at p as a tile, the others zero. A whole tile is one load; element by
 // element into an accumulator, GCC would keep the accumulators in memory for the whole block.
 inline FloatTile load_columns(const float* p, int64_t n) {

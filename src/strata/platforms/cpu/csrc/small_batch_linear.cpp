@@ -9,10 +9,10 @@
 // FMA chain), and 16 rows' tiles are reduced together; up to 8 rows of x share every widened weight tile.
 // A decode step so reads fp32, bf16 and int8 weights at close to the bandwidth limit.
 // Wider inputs (prefill, large batches) go to oneDNN's GEMM where PyTorch has it: it runs float32 faster than
-// the MKL path `at::linear` takes for these shapes. A weight registered with `prepack_linear_weight` is read
-// there in oneDNN's own blocked layout, which spares the reorder oneDNN otherwise does on every call; a float32
-// weight on an AVX-512 CPU is packed instead into the column panels of Strata's own GEMM (`panel_gemm.h`),
-// faster than oneDNN there and, from a few rows of x on or for large weights (`reads_panels`), than this kernel.
+// the MKL path `at::linear` takes for these shapes.
+// A float32 weight on an AVX-512 build is instead packed after loading into the column panels of Strata's own
+// GEMM (`panel_gemm.h`), which replace it (`packed_stand_in`): every row count reads them, as fast as this
+// kernel reads the dense weight at 1-3 rows and faster than oneDNN above, so the weight is held once.
 //
 // C++ with GCC/Clang vector types, compiled for this CPU (-O3 -march=native); only the widening loads
 // (`float_tiles.h`) use x86 intrinsics, under #if with a plain C++ fallback for other CPUs. It is built by
@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/linear.h>
@@ -40,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string_view>
@@ -51,23 +53,6 @@ namespace {
 
 // Above this many rows of x ATen's GEMM is as fast or faster.
 constexpr int64_t kMaxRows = 8;
-
-// A weight packed into panels (`panel_gemm.h`) is read there rather than here from kMinPanelRows rows of x on,
-// and below that when it (or a group's weights together) has at least kMinPanelBytes: at fewer rows the
-// panels still read large weights faster, while small ones stream faster through this kernel.
-constexpr int64_t kMinPanelRows = 4;
-constexpr int64_t kMinPanelBytes = 1 << 20;
-
-// Whether x's `rows` read packed panels of weights totalling `bytes` (when they have them).
-bool reads_panels(int64_t rows, int64_t bytes) {
-  return rows >= kMinPanelRows || (rows >= 1 && bytes >= kMinPanelBytes);
-}
-
-// bf16x3 panels (`amx_panel_gemm.h`) are read from kMinPanelRows rows on only, whatever the weight's size:
-// below that the dense float32 weight streams as fast, and exactly.
-bool reads_packed(const at::Tensor& packed, int64_t rows, int64_t bytes) {
-  return packed.scalar_type() == at::kBFloat16 ? rows >= kMinPanelRows : reads_panels(rows, bytes);
-}
 
 using strata_kernels::kLanes;
 using strata_kernels::lane_sums;
@@ -276,14 +261,13 @@ void dispatch_weight(const float* x, const at::Tensor& w, const float* scale, co
 
 bool has_onednn_linear() {
   static const bool available =
-      at::hasMKLDNN() && c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""}).has_value() &&
-      c10::Dispatcher::singleton().findSchema({"mkldnn::_reorder_linear_weight", ""}).has_value();
+      at::hasMKLDNN() && c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""}).has_value();
   return available;
 }
 
 // Whether oneDNN has its bfloat16 path on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; bfloat16
-// arithmetic in hardware with AVX512-BF16 or AMX), asked once. Elsewhere (AVX2) its bfloat16 reorder and
-// linear raise errors.
+// arithmetic in hardware with AVX512-BF16 or AMX), asked once. Elsewhere (AVX2) its bfloat16 linear
+// raises errors.
 bool has_onednn_bfloat16() {
   static const bool available = [] {
     const auto op = c10::Dispatcher::singleton().findSchema({"mkldnn::_is_mkldnn_bf16_supported", ""});
@@ -292,7 +276,7 @@ bool has_onednn_bfloat16() {
   return available;
 }
 
-// oneDNN's linear, the op Inductor's CPU fusions call; `w` dense [N, K] or prepacked.
+// oneDNN's linear, the op Inductor's CPU fusions call, on a dense [N, K] weight.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                std::string_view, c10::List<std::optional<at::Scalar>>,
@@ -303,9 +287,10 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// Prepacked weights, found by the dense weight's data pointer. An entry holds only weak references: the
-// packed tensor belongs to whoever registered it (the layer) and is freed with it, and an entry whose
-// weight storage is gone, or whose weight was resized or written in place since, no longer matches.
+// Prepacked weights, found by the data pointer of the weight they were packed from, or of the stand-in that
+// replaced it (`packed_stand_in`). An entry holds only weak references: the packed tensor belongs to whoever
+// registered it (the layer) and is freed with it, and an entry whose weight storage is gone, or whose weight
+// was resized or written in place since, no longer matches.
 struct PackedWeight {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   std::vector<int64_t> sizes, strides;
@@ -324,18 +309,26 @@ struct PackedWeight {
 std::mutex packed_mutex;
 std::unordered_map<const void*, PackedWeight> packed_weights;
 
-// The registered packed form of `weight` (in gate and up pairs or not, as asked), or an undefined tensor.
-at::Tensor find_packed(const at::Tensor& weight, bool gate_up_pairs = false) {
+// A weight's registered packed form; `tensor` undefined where it has none.
+struct Packed {
+  at::Tensor tensor;
+  bool gate_up_pairs = false;
+
+  bool defined() const { return tensor.defined(); }
+  // The plain (not paired) packed tensor, or an undefined one.
+  at::Tensor plain() const { return gate_up_pairs ? at::Tensor() : tensor; }
+};
+
+Packed find_packed(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   const auto it = packed_weights.find(weight.data_ptr());
-  if (it == packed_weights.end()) return at::Tensor();
+  if (it == packed_weights.end()) return {};
   if (!it->second.matches(weight)) {
     packed_weights.erase(it);
-    return at::Tensor();
+    return {};
   }
-  if (it->second.gate_up_pairs != gate_up_pairs) return at::Tensor();
   auto packed = it->second.packed.lock();
-  return packed ? at::Tensor(std::move(packed)) : at::Tensor();
+  return packed ? Packed{at::Tensor(std::move(packed)), it->second.gate_up_pairs} : Packed{};
 }
 
 // Registers `packed` as the packed form of `weight` (replacing any other), holding only weak references.
@@ -350,10 +343,22 @@ void register_packed(const at::Tensor& weight, const at::Tensor& packed, bool ga
                    gate_up_pairs});
 }
 
-// The batch size oneDNN is told to pack for; the choice barely matters for decode batches or prefill.
-constexpr int64_t kPackForRows = 32;
+// Whether `weight` is a stand-in (`packed_stand_in`): every stride 0, which no weight a model loads has.
+bool is_stand_in(const at::Tensor& weight) {
+  return weight.dim() == 2 && weight.stride(0) == 0 && weight.stride(1) == 0;
+}
 
-// Whether a float32 weight's packed copy is in Strata's column panels (`panel_gemm.h`), not oneDNN's layout.
+// A stand-in's packed form, which every path must read: its dense values are gone.
+Packed stand_in_packed(const at::Tensor& weight) {
+  Packed packed = find_packed(weight);
+  TORCH_CHECK(packed.defined(), "strata_cpu: the packed form that replaced this ", weight.sizes(),
+              " weight is gone (its layer was freed, or the stand-in was written to)");
+  return packed;
+}
+
+// Whether float32 weights are packed, into Strata's column panels (`panel_gemm.h`): the one packed form, read
+// for every row count. Only where the panel GEMM is built (AVX-512); other weights and builds keep the dense
+// weight, which wide inputs hand to oneDNN as it is (docs/cpu-kernels.md, "Packed weights").
 constexpr bool kFloatPanels = kHasPanelGemm;
 
 // Whether float32 weights packed now take the bf16x3 form of `amx_panel_gemm.h`: where this build has the
@@ -374,39 +379,28 @@ at::Tensor pack_float_panels(const at::Tensor& weight, bool glu) {
   return packs_bf16x3() ? strata_kernels::pack_amx_panels(weight, glu) : strata_kernels::pack_panels(weight, glu);
 }
 
-// Whether a registered copy is in the form packing would give now (a change of precision repacks).
-bool packed_as_now(const at::Tensor& packed, const at::Tensor& weight) {
-  return weight.scalar_type() != at::kFloat || !kFloatPanels ||
-         (packed.scalar_type() == at::kBFloat16) == packs_bf16x3();
+// Whether registered panels are in the form packing would give now (a change of precision repacks).
+bool packed_as_now(const at::Tensor& packed) {
+  return (packed.scalar_type() == at::kBFloat16) == packs_bf16x3();
 }
 
-// `weight` [N, K] for wide inputs, registered so that `linear` with this very weight (same storage, shape
-// and version) reads it: float32 in column panels where the CPU has AVX-512 (`kFloatPanels`), else float32
-// or bfloat16 in oneDNN's blocked layout. int8 weights are packed widened to bfloat16, the form wide inputs
-// multiply them in (`wide_int8_linear`); bfloat16 and int8 only where oneDNN has its bfloat16 path
-// (`has_onednn_bfloat16`). The caller keeps the returned tensor alive for as long as the weight should use
-// it. A weight registered already and unchanged since (one weight shared by several layers, as tied
-// embeddings are) gets the same copy back, not a second one. Returns nothing where neither layout serves
-// the weight or it is not a contiguous matrix of those dtypes, or an empty one (oneDNN refuses those, and
-// `linear` answers them without reading the weight): `linear` then reads the weight.
+// float32 `weight` [N, K] packed into column panels (bf16x3 items at "high" precision on AMX, `packs_bf16x3`)
+// and registered, so that `linear` with this very weight (same storage, shape and version) reads the panels
+// for every row count, as it does for the stand-in that then replaces the weight (`packed_stand_in`). The
+// caller keeps the returned tensor alive for as long as the weight should use it. A weight registered
+// already and unchanged since gets the same panels back, not a second copy. Returns nothing where the panels
+// are not built (`kFloatPanels`), or the weight is not a contiguous, non-empty float32 matrix: `linear` then
+// reads the weight.
 std::optional<at::Tensor> prepack_linear_weight(const at::Tensor& weight) {
-  const auto dtype = weight.scalar_type();
-  const bool int8 = dtype == at::kChar;
-  const bool panels = kFloatPanels && dtype == at::kFloat;
-  if (weight.dim() != 2 || !weight.is_contiguous() || weight.numel() == 0 ||
-      !(panels || (has_onednn_linear() &&
-                   (dtype == at::kFloat || ((dtype == at::kBFloat16 || int8) && has_onednn_bfloat16()))))) {
+  if (!kFloatPanels || weight.dim() != 2 || !weight.is_contiguous() || weight.numel() == 0 ||
+      weight.scalar_type() != at::kFloat) {
     return std::nullopt;
   }
-  if (at::Tensor existing = find_packed(weight); existing.defined() && packed_as_now(existing, weight)) {
-    return existing;
+  if (const Packed existing = find_packed(weight);
+      existing.defined() && !existing.gate_up_pairs && packed_as_now(existing.tensor)) {
+    return existing.tensor;
   }
-  using Signature = at::Tensor(const at::Tensor&, std::optional<int64_t>);
-  static const auto reorder = c10::Dispatcher::singleton()
-                                  .findSchemaOrThrow("mkldnn::_reorder_linear_weight", "")
-                                  .typed<Signature>();
-  at::Tensor packed = panels ? pack_float_panels(weight, false)
-                             : reorder.call(int8 ? weight.to(at::kBFloat16) : weight, kPackForRows);
+  at::Tensor packed = pack_float_panels(weight, false);
   register_packed(weight, packed, false);
   return packed;
 }
@@ -432,21 +426,23 @@ std::optional<at::Tensor> prepack_glu_weight(const at::Tensor& weight, std::stri
       (weight.size(1) > strata_kernels::kMaxDepth && !packs_bf16x3())) {
     return std::nullopt;
   }
-  if (at::Tensor existing = find_packed(weight, true); existing.defined() && packed_as_now(existing, weight)) {
-    return existing;
+  if (const Packed existing = find_packed(weight);
+      existing.defined() && existing.gate_up_pairs && packed_as_now(existing.tensor)) {
+    return existing.tensor;
   }
   at::Tensor packed = pack_float_panels(weight, true);
   register_packed(weight, packed, true);
   return packed;
 }
 
-// x [M, K] float32 times float32 weights packed in panels (`weights[i]` packed as `packed[i]`, its bias
-// `biases[i]` or none), their outputs side by side: [M, sum of N]. With a GATE, each weight is a GLU MLP's
-// [gate; up] packed in pairs (`prepack_glu_weight`, no bias) and gives its N / 2 values act(gate) * up.
+// x [M, K] (float32 or bfloat16, M and K at least 1) times float32 weights packed in panels (`weights[i]`
+// packed as `packed[i]`, its bias `biases[i]` or none), their outputs side by side: [M, sum of N] in x's
+// dtype. With a GATE, each weight is a GLU MLP's [gate; up] packed in pairs (`prepack_glu_weight`, no bias)
+// and gives its N / 2 values act(gate) * up.
 template <GateActivation GATE = GateActivation::kNone>
 at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::vector<at::Tensor>& packed,
                         const std::vector<std::optional<at::Tensor>>& biases) {
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = as_float_contiguous(x);
   std::vector<at::Tensor> held;  // float32 contiguous biases, alive for the call
   std::vector<const float*> bias_of;
   for (const auto& b : biases) {
@@ -466,7 +462,7 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
     }
     columns += GATE == GateActivation::kNone ? N : N / 2;
   }
-  at::Tensor out = at::empty({M, columns}, x.options());
+  at::Tensor out = at::empty({M, columns}, x.options().dtype(at::kFloat));
   if (bf16x3) {
     strata_kernels::amx_panel_gemm<GATE>(xc.data_ptr<float>(), M, K, amx_parts, out.data_ptr<float>(), columns,
                                          thread_grain(strata_kernels::amx_item_bytes(K), M));
@@ -474,45 +470,43 @@ at::Tensor panel_linear(const at::Tensor& x, at::TensorList weights, const std::
     strata_kernels::panel_gemm<GATE>(xc.data_ptr<float>(), M, K, parts, out.data_ptr<float>(), columns,
                                      thread_grain(strata_kernels::kPanelColumns * K * sizeof(float), M));
   }
-  return out;
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// The panels `weight` was packed into, when x and the weight are float32 and it was; else undefined. Not for
-// an empty depth (no input features), which the other paths handle.
-at::Tensor find_panels(const at::Tensor& x, const at::Tensor& weight) {
-  if (!kFloatPanels || x.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || x.size(1) == 0) {
-    return at::Tensor();
-  }
-  return find_packed(weight);
+// Whether `packed` is a float32 weight's panels or bf16x3 items, which every row count reads.
+bool is_float_panels(const at::Tensor& weight, const Packed& packed) {
+  return kFloatPanels && packed.defined() && weight.scalar_type() == at::kFloat;
 }
 
-// `x @ weight.T + bias` for wide x: oneDNN's linear when PyTorch was built with it (on the prepacked weight
-// when `weight` was registered and x has its dtype), else ATen's. `w` is `weight` in x's dtype.
-at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& w,
-                       const std::optional<at::Tensor>& bias) {
+// The dense [N, K] float32 values of a weight from its panels or bf16x3 items (those within about 2^-16 of
+// them): for the rare reader of a stand-in's values (`unpack_weight`, `linear` on a GLU's paired panels).
+at::Tensor unpack_float_panels(const at::Tensor& weight, const Packed& packed) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  return packed.tensor.scalar_type() == at::kBFloat16
+             ? strata_kernels::unpack_amx_panels(packed.tensor, N, K, packed.gate_up_pairs)
+             : strata_kernels::unpack_panels(packed.tensor, N, K, packed.gate_up_pairs);
+}
+
+// `x @ weight.T + bias` for wide x: oneDNN's linear when PyTorch was built with it, else ATen's. `w` is
+// `weight` in x's dtype.
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   if (!has_onednn_linear() || x.scalar_type() == at::kHalf ||
       (x.scalar_type() == at::kBFloat16 && !has_onednn_bfloat16())) {
     return at::linear(x, w, bias);  // no oneDNN bfloat16 path here (`has_onednn_bfloat16`)
-  }
-  if (weight.scalar_type() == x.scalar_type() && !(kFloatPanels && x.scalar_type() == at::kFloat)) {
-    if (const at::Tensor packed = find_packed(weight); packed.defined()) return onednn_linear(x, packed, bias);
   }
   return onednn_linear(x, w, bias);
 }
 
 // `x @ (qweight * scale[:, None]).T + bias` for wide x. Where oneDNN has its bfloat16 path, x and the
-// int8 weights go in as bfloat16 (int8 values are exact in bfloat16; the prepacked copy when there is one)
-// and the scales multiply the product: much faster than widening the weights to float32 on every call, at
-// the cost of bfloat16's rounding of the activations.
-// Elsewhere, float32.
+// int8 weights (widened for the call) go in as bfloat16 (int8 values are exact in bfloat16) and the scales
+// multiply the product: much faster than widening the weights to float32, at the cost of bfloat16's
+// rounding of the activations. Elsewhere, float32.
 at::Tensor wide_int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias) {
   const at::Tensor scale_f = as_float_contiguous(scale);
   at::Tensor out;
   if (has_onednn_bfloat16()) {
-    const at::Tensor packed = find_packed(qweight);
-    out = onednn_linear(x.to(at::kBFloat16).contiguous(), packed.defined() ? packed : qweight.to(at::kBFloat16),
-                        std::nullopt)
+    out = onednn_linear(x.to(at::kBFloat16).contiguous(), qweight.to(at::kBFloat16), std::nullopt)
               .to(at::kFloat)
               .mul_(scale_f);
   } else {
@@ -523,7 +517,7 @@ at::Tensor wide_int8_linear(const at::Tensor& x, const at::Tensor& qweight, cons
 }
 
 // x [M, K] float32 or bfloat16; weight [N, K] float32, bfloat16 or int8 (then `scale` [N] float32 is
-// required); bias [N]. Returns [M, N] in x's dtype.
+// required), or the stand-in of a float32 weight's panels; bias [N]. Returns [M, N] in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                   const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "strata_cpu::linear: x and weight must be 2-D");
@@ -542,14 +536,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     const at::Tensor out = at::zeros({M, N}, x.options());
     return bias ? out.add_(*bias) : out;
   }
-  if (reads_panels(M, N * K * 4)) {
-    if (const at::Tensor panels = find_panels(x, weight); panels.defined() && reads_packed(panels, M, N * K * 4)) {
-      return panel_linear(x, {weight}, {panels}, {bias});
-    }
+  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
+  if (const Packed packed = is_stand_in(weight) ? stand_in_packed(weight) : find_packed(weight);
+      is_float_panels(weight, packed)) {
+    if (packed.gate_up_pairs) return linear(x, unpack_float_panels(weight, packed), scale, bias);
+    return panel_linear(x, {weight}, {packed.tensor}, {bias});
   }
   if (M > kMaxRows && wtype == at::kChar) return wide_int8_linear(x, weight, *scale, bias);
   if (M > kMaxRows) {
-    return wide_linear(x.contiguous(), weight, weight.to(x.scalar_type()).contiguous(),
+    return wide_linear(x.contiguous(), weight.to(x.scalar_type()).contiguous(),
                        bias ? std::optional<at::Tensor>(bias->to(x.scalar_type())) : std::nullopt);
   }
   // Small tensors are used as they come when they already have the layout the kernel reads; only what
@@ -567,7 +562,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const at::Tensor* b = bias ? &bias_c : nullptr;
   const float* xp = xf.data();
   const auto xtype = x.scalar_type();
-  if (M == 0 || N == 0) return at::empty({M, N}, x.options());
   if (xtype == at::kBFloat16) {
     at::Tensor out = at::empty({M, N}, x.options());
     dispatch_weight(xp, wc, s, b, out.data_ptr<c10::BFloat16>(), M, N, K);
@@ -579,8 +573,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 // act(x @ gate.T) * (x @ up.T) for a GLU MLP's weight [gate; up] ([2I, K]): [M, I] in x's dtype. One panel
-// GEMM whose sums are activated in registers where the weight was packed for it (`prepack_glu_weight`) and
-// x reads panels; otherwise `linear` and the activation as ATen computes it.
+// GEMM whose sums are activated in registers where the weight was packed for it (`prepack_glu_weight`);
+// otherwise `linear` and the activation as ATen computes it.
 at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& weight, std::string_view activation) {
   const GateActivation gate = gate_activation_named(activation);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(0) % 2 == 0,
@@ -588,12 +582,13 @@ at::Tensor linear_glu(const at::Tensor& x, const at::Tensor& weight, std::string
               weight.sizes());
   TORCH_CHECK(x.size(1) == weight.size(1), "strata_cpu::linear_glu: x has ", x.size(1),
               " features but weight expects ", weight.size(1));
-  const int64_t M = x.size(0), N = weight.size(0), K = x.size(1);
-  if (kFloatPanels && x.scalar_type() == at::kFloat && M > 0 && reads_panels(M, N * K * 4)) {
-    if (const at::Tensor panels = find_packed(weight, true); panels.defined() && reads_packed(panels, M, N * K * 4)) {
+  const int64_t M = x.size(0), N = weight.size(0);
+  if (M > 0 && N > 0 && x.size(1) > 0) {
+    if (const Packed packed = is_stand_in(weight) ? stand_in_packed(weight) : find_packed(weight);
+        is_float_panels(weight, packed) && packed.gate_up_pairs) {
       return gate == GateActivation::kSilu
-                 ? panel_linear<GateActivation::kSilu>(x, {weight}, {panels}, {std::nullopt})
-                 : panel_linear<GateActivation::kGeluTanh>(x, {weight}, {panels}, {std::nullopt});
+                 ? panel_linear<GateActivation::kSilu>(x, {weight}, {packed.tensor}, {std::nullopt})
+                 : panel_linear<GateActivation::kGeluTanh>(x, {weight}, {packed.tensor}, {std::nullopt});
     }
   }
   const at::Tensor both = linear(x, weight, std::nullopt, std::nullopt);
@@ -623,28 +618,30 @@ void group_kernel(const float* x, at::TensorList weights, O* out, int64_t M, int
 }
 
 // x @ weight.T for each of several weights that read the same x (a layer's q, k and v projections), side by
-// side in one [M, sum of N] tensor: for decode-sized x one call and one parallel region over all their rows,
-// where separate `linear` calls each pay a dispatch, a fork and a join. One tensor, not a list, so that
-// Inductor's C++ wrapper calls it through the dispatcher (a list return goes through Python, which cost more
-// than the grouping saved). Weights of one dtype, float32 or bfloat16, contiguous; one panel GEMM call when
-// every weight was packed into panels and the rows read them (`reads_panels`). Anything else is `linear` per
-// weight, concatenated.
+// side in one [M, sum of N] tensor: one call and one parallel region over all their rows, where separate
+// `linear` calls each pay a dispatch, a fork and a join. One tensor, not a list, so that Inductor's C++
+// wrapper calls it through the dispatcher (a list return goes through Python, which cost more than the
+// grouping saved). One panel GEMM call when every weight was packed into panels (of one form); up to
+// kMaxRows rows of x, one small-batch call over dense weights of one dtype, float32 or bfloat16, contiguous.
+// Anything else is `linear` per weight, concatenated.
 at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "strata_cpu::linear_group: needs at least one weight");
-  int64_t bytes = 0;
-  for (const auto& w : weights) bytes += w.numel() * 4;
-  if (x.dim() == 2 && reads_panels(x.size(0), bytes)) {
+  const bool shaped = x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1;
+  if (shaped) {
     std::vector<at::Tensor> panels;
     for (const auto& w : weights) {
-      at::Tensor p = w.dim() == 2 && w.size(1) == x.size(1) ? find_panels(x, w) : at::Tensor();
-      if (!p.defined() || (!panels.empty() && p.scalar_type() != panels[0].scalar_type())) break;
-      panels.push_back(std::move(p));
+      const Packed p = w.dim() == 2 && w.size(1) == x.size(1) ? find_packed(w) : Packed{};
+      if (!is_float_panels(w, p) || p.gate_up_pairs ||
+          (!panels.empty() && p.tensor.scalar_type() != panels[0].scalar_type())) {
+        break;
+      }
+      panels.push_back(p.tensor);
     }
-    if (panels.size() == weights.size() && reads_packed(panels[0], x.size(0), bytes)) {
+    if (panels.size() == weights.size()) {
       return panel_linear(x, weights, panels, std::vector<std::optional<at::Tensor>>(weights.size()));
     }
   }
-  bool grouped = x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows &&
+  bool grouped = shaped && x.size(0) <= kMaxRows &&
                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
   for (const auto& w : weights) {
     grouped = grouped && w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous() &&
@@ -670,6 +667,27 @@ at::Tensor linear_group(const at::Tensor& x, at::TensorList weights) {
   return out;
 }
 
+// A stand-in for float32 `weight` once its registered panels (or bf16x3 items) replace it: the same sizes and
+// dtype over a single NaN element (no memory; a dense read of it gives NaN, never plausible numbers),
+// registered with those panels, so that every op given the stand-in reads them. The caller then drops the
+// dense weight.
+at::Tensor packed_stand_in(const at::Tensor& weight) {
+  const Packed packed = find_packed(weight);
+  TORCH_CHECK(weight.dim() == 2 && is_float_panels(weight, packed),
+              "strata_cpu::packed_stand_in: the weight has no registered float32 panels");
+  if (is_stand_in(weight)) return weight;
+  const at::Tensor stand_in = at::full({1}, std::numeric_limits<float>::quiet_NaN(), weight.options())
+                                  .as_strided(weight.sizes(), {0, 0});
+  register_packed(stand_in, packed.tensor, packed.gate_up_pairs);
+  return stand_in;
+}
+
+// The dense values of a stand-in's weight, unpacked from the panels that replaced it.
+at::Tensor unpack_weight(const at::Tensor& stand_in) {
+  TORCH_CHECK(is_stand_in(stand_in), "strata_cpu::unpack_weight: not a stand-in (`packed_stand_in`)");
+  return unpack_float_panels(stand_in, stand_in_packed(stand_in));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(strata_cpu, m) {
@@ -678,6 +696,8 @@ TORCH_LIBRARY(strata_cpu, m) {
   m.def("prepack_linear_weight(Tensor weight) -> Tensor?");
   m.def("linear_glu(Tensor x, Tensor weight, str activation) -> Tensor");
   m.def("prepack_glu_weight(Tensor weight, str activation) -> Tensor?");
+  m.def("packed_stand_in(Tensor weight) -> Tensor");
+  m.def("unpack_weight(Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
@@ -686,4 +706,6 @@ TORCH_LIBRARY_IMPL(strata_cpu, CPU, m) {
   m.impl("prepack_linear_weight", &prepack_linear_weight);
   m.impl("linear_glu", &linear_glu);
   m.impl("prepack_glu_weight", &prepack_glu_weight);
+  m.impl("packed_stand_in", &packed_stand_in);
+  m.impl("unpack_weight", &unpack_weight);
 }
