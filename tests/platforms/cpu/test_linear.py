@@ -455,18 +455,20 @@ def test_linear_group_of_mixed_or_strided_weights_falls_back_to_linear_per_weigh
 def test_packed_float32_weights_for_wide_inputs_match_float64(
     out_features: int, in_features: int, rows: int, bias: bool, threads: Callable[[int], None]
 ) -> None:
-    """Float32 inputs of 4 rows or more on a prepacked float32 weight: on AVX-512 CPUs Strata's panel GEMM
-    (the copy is its column panels, padded to whole tiles), elsewhere oneDNN or the small-batch kernel;
-    either way the float64 answer to float32 accuracy, with every panel split over two threads landing in
-    its own columns."""
+    """Float32 inputs of 4 rows or more: on AVX-512 builds Strata's panel GEMM on the packed weight (its
+    column panels, padded to whole tiles), elsewhere the dense weight (nothing is packed) through oneDNN or
+    the small-batch kernel; either way the float64 answer to float32 accuracy, with every panel split over
+    two threads landing in its own columns."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(out_features, in_features, generator=generator)
     b = torch.randn(out_features, generator=generator) if bias else None
     x = torch.randn(rows, in_features, generator=generator)
     packed = torch.ops.strata_cpu.prepack_linear_weight(weight)
-    assert packed is not None
     if _has_avx512():
+        assert packed is not None
         assert packed.dim() == 1 and packed.numel() == -(-out_features // 16) * 16 * in_features
+    else:
+        assert packed is None
     threads(2)
     out = torch.ops.strata_cpu.linear(x, weight, None, b)
     expected = x.double() @ weight.double().T + (b.double() if bias else 0)
