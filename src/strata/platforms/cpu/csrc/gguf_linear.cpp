@@ -7,22 +7,25 @@
 // bfloat16 or float32 otherwise. The bytes are read where they lie, often a read-only memory map of the
 // file, and never written.
 //
-// Decode (1 to kMaxDecodeRows rows of x) is bound by reading the weights, so each weight row is streamed
-// once and its blocks decoded in registers. On x86 with AVX2 x is first quantized to int8 (per 32 inputs
-// for the legacy types, per 256 for the K-quants, as llama.cpp's q8_0 / q8_K are), so that a block's small
-// integer weights meet it in integer dot products (`dot_u8s8`: AVX-512 VNNI's vpdpbusd, or AVX2's
-// vpmaddubsw) and only each block's (or sub-block's) sum is scaled in float. Widening the weights to float
-// for float FMAs instead (the float path below) ran 2.5-4.5x slower on Zen 4 (Q4_0, Q8_0, Q4_K, Q6_K at
-// one row of x). For 8- and 6-bit weights x also keeps what int8 leaves over, to 1/128 of a step
-// (`kResidual`). Offsets (Q4_0's -8 ...) and minimums are taken out with precomputed per-16 or per-32 sums
-// of x, so that the weights' unsigned codes enter the dot products as they are. F16/BF16/F32 rows are
-// widened and multiplied in float, as every type is on CPUs without AVX2. The weight rows are split over
-// ATen's threads, only for layers big enough to pay for waking a second one, and every output comes out the
-// same whatever the thread count.
+// Decode (1 to kMaxDecodeRows rows of x) is bound by reading the weights, so each weight row is streamed once
+// and its blocks decoded in registers. On x86 with AVX2 x is first quantized to int8 (per 32 inputs for the
+// legacy types, per 256 for the K-quants, as llama.cpp's q8_0 / q8_K are), so that a block's small integer
+// weights meet it in integer dot products (`dot_u8s8`: AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw) and only
+// each block's (or sub-block's) sum is scaled in float. Widening the weights to float for float FMAs instead
+// (the float path below) ran 2.5-4.5x slower on Zen 4 (Q4_0, Q8_0, Q4_K, Q6_K at one row of x). For 8- and
+// 6-bit weights x is kept finer (`kResidual`): in int16 for Q8_0, with what int8 leaves over (to 1/128 of a
+// step) for Q6_K. Offsets (Q4_0's -8 ...) and minimums are taken out with precomputed per-16 or per-32 sums of
+// x, so that the weights' unsigned codes enter the dot products as they are. F16/BF16/F32 rows are widened and
+// multiplied in float, as every type is on CPUs without AVX2. The weight rows are split over ATen's threads,
+// only for layers big enough to pay for waking a second one, and every output comes out the same whatever the
+// thread count.
 //
-// Wider inputs (prefill, batches) amortise a float dequantization over their rows: each thread dequantizes
-// panels of its weight rows into a float32 scratch that stays in its L2 cache and multiplies x by each
-// with ATen's GEMM (one thread each), straight into the output's columns.
+// More rows of x (batches, prefill) take the batch path on the quantized types: each thread repacks 8 weight
+// rows at a time so that one broadcast of x's integers meets all 8 in a dot product, each output in a lane of
+// its own (x in int16). F16/BF16/F32 weights, and every type without AVX2, amortise a float dequantization
+// over the rows instead: each thread dequantizes panels of its weight rows into a float32 scratch that stays
+// in its L2 cache and multiplies x by each with ATen's GEMM (one thread each), straight into the output's
+// columns.
 //
 // The x86 kernels use 256-bit vectors, which 32 weights (a legacy block, a K-quant sub-block) fill: with
 // AVX-512 they take its VNNI dot products and masked byte moves in their 256-bit (AVX512-VL) forms, and
@@ -47,6 +50,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -303,13 +307,14 @@ inline void dequant_block(const uint8_t* b, float* y) {
 // x quantized to int8 for the int8 decode path.
 
 // x quantized per `block` inputs (32 or 256), with the sums the weights' offsets and minimums need; for
-// 8- and 6-bit weights (`kResidual`) also what int8 leaves over, in 128ths of a step. Row m's data starts at
-// q + m * K (and r + m * K), d + m * (K / block), and each per-16/per-32 array at m * (K / 16) or
+// Q6_K also what int8 leaves over, in 128ths of a step (Q8_0 takes x in int16 instead). Row m's data starts
+// at q + m * K (and r, q16 + m * K), d + m * (K / block), and each per-16/per-32 array at m * (K / 16) or
 // m * (K / 32).
 struct QuantizedX {
   int64_t K = 0, block = 0;
   const int8_t* q = nullptr;
   const int8_t* r = nullptr;      // with a residual: x ~ d * (q + r / 128), r in [-64, 64]
+  const int16_t* q16 = nullptr;   // Q8_0's x in int16 instead (`quantize_batch`): x ~ d * q16
   const float* d = nullptr;       // each block's scale: x ~ d * q
   const float* sum16 = nullptr;   // exact sums of x over each 16 inputs (for minimums)
   const float* qsum16 = nullptr;  // d * (sum of q + r / 128) over each 16 inputs (for offsets: they meet q)
@@ -317,13 +322,16 @@ struct QuantizedX {
   const float* qsum32 = nullptr;
 };
 
-// Whether x carries a residual for weights of type Q: for 8- and 6-bit weights, the types files keep their
-// output layer in. x in int8 errs by up to 1/254 of its block's largest |x| (of 256 for the K-quants), as
-// much as a Q8_0 weight errs by and more than a Q6_K one where one input stands out (a hidden state of
+// Whether x is kept finer than int8 for weights of type Q: for 8- and 6-bit weights, the types files keep
+// their output layer in. x in int8 errs by up to 1/254 of its block's largest |x| (of 256 for the K-quants),
+// as much as a Q8_0 weight errs by and more than a Q6_K one where one input stands out (a hidden state of
 // SmolLM2 has one 17x its RMS): through the Q8_0 output layer of SmolLM2-135M it moved a token's logprob by
-// 0.07, against 0.001 with the residual. The residual costs a second dot product per block (Q8_0 decode
-// 30-40% slower at one row of x when the weights are cached, Q6_K 20-30%; less from memory). For 2- to
-// 5-bit weights x's int8 error stays below the weights' own, and they go without, as llama.cpp's do.
+// 0.07, against 0.001 kept finer. Q8_0 takes x in int16 (its weights widened to int16 in registers, two
+// vpdpwssd a block, both operands signed), which was faster than int8 alone with vpdpbusd's sign tricks;
+// Q6_K decode keeps int8 and what it leaves over (a residual, to 1/128 of a step: a second dot product per
+// sub-block, 20-30% slower at one row of cached weights), since its per-16 scales apply in 16-bit pair sums
+// that int16 x would overflow. The batch path takes both in int16. For 2- to 5-bit weights x's int8 error
+// stays below the weights' own, and they go without, as llama.cpp's do.
 template <int64_t Q>
 constexpr bool kResidual = Q == kQ8_0 || Q == kQ6_K;
 
@@ -350,18 +358,23 @@ inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// acc + the sums of each 2 adjacent products a[i] * b[i] of signed 16-bit values, per 32-bit lane (exact
+// unless both pairs are -32768 * -32768, which no caller has).
+inline __m256i dot_s16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 // acc + the products u[i] * s[i] summed in pairs (16-bit, below saturation: u < 64 here) and each pair's
 // sum times its 16-bit lane of `scales`, summed per 32-bit lane: a sub-block's integer dot product with its
 // scale (or two 16-weight groups' with theirs) applied before leaving integers.
 inline __m256i dot_u8s8_scaled(__m256i acc, __m256i u, __m256i s, __m256i scales) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, pairs, scales);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, pairs, scales);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales));
-#endif
+  return dot_s16(acc, _mm256_maddubs_epi16(u, s), scales);
 }
 
 inline float hsum(__m256 v) {
@@ -369,6 +382,30 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+// The largest |x| of n (a multiple of 8) floats.
+inline float abs_max(const float* x, int64_t n) {
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(x + i)));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+// 32 int32 values within int8's range (4 vectors) as 32 bytes in order: the packs interleave by 4, the
+// permute restores the order.
+inline __m256i pack_bytes(const __m256i* w) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
 // x [M, K] quantized into buffers the calling thread reuses (valid until its next call): per block of
@@ -405,15 +442,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
       int8_t* rb = residual ? qbuf.data() + M * K + m * K + b * block : nullptr;
       float* s16 = sum16 + m * n16 + b * (block / 16);
       float* q16 = qsum16 + m * n16 + b * (block / 16);
-      // In 8-float vectors: max |x|; q (and r) rounded (to nearest even) and packed to bytes, whose order
-      // the packs interleave by 4 (the permute restores it); each 16's sums by horizontal adds.
-      __m256 vmax = _mm256_setzero_ps();
-      for (int64_t i = 0; i < block; i += 8) {
-        vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + i)));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      // In 8-float vectors: q (and r) rounded (to nearest even) and packed to bytes; each 16's sums by
+      // horizontal adds.
+      const float amax = abs_max(xb, block);
       const float scale = amax / 127.f;
       d[m * nb + b] = scale;
       const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -429,13 +460,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
                 _mm256_mul_ps(_mm256_sub_ps(steps, _mm256_cvtepi32_ps(q[k])), _mm256_set1_ps(128.f)));
           }
         }
-        const auto pack = [](const __m256i* w) {
-          const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-          return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        };
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), pack(q));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), pack_bytes(q));
         if (residual) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb + i), pack(rest));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb + i), pack_bytes(rest));
           for (int k = 0; k < 4; ++k) q[k] = _mm256_add_epi32(_mm256_slli_epi32(q[k], 7), rest[k]);  // in 128ths
         } else {
           for (int k = 0; k < 4; ++k) q[k] = _mm256_slli_epi32(q[k], 7);
@@ -458,6 +485,55 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t block, bool 
     }
   }
   return r;
+}
+
+// x in int16 per 32 inputs: a scale d and q = round(x / d), d = max |x| / 32512 (127 * 256: x that int8 with
+// a residual holds exactly stays exact); per group of G inputs, -offset times the sum of q (the codes'
+// offset, which meets q) and the exact sum of x (for minimums). x errs by at most 1/65024 of its block's
+// largest |x|, as finely as decode's residual.
+struct BatchX {
+  const int16_t* q = nullptr;     // row m at q + m * K
+  const float* d = nullptr;       // [M, K / 32]
+  const int32_t* init = nullptr;  // [M, K / G]
+  const float* sum = nullptr;     // [M, K / G]
+};
+
+template <int G>
+BatchX quantize_batch(const float* x, int64_t M, int64_t K, int offset) {
+  thread_local std::vector<int16_t> qbuf;
+  thread_local std::vector<float> fbuf;
+  thread_local std::vector<int32_t> ibuf;
+  const int64_t blocks = M * K / 32, groups = M * K / G;  // rows are whole blocks: x's blocks end to end
+  if (static_cast<int64_t>(qbuf.size()) < M * K) qbuf.resize(M * K);
+  if (static_cast<int64_t>(fbuf.size()) < blocks + groups) fbuf.resize(blocks + groups);
+  if (static_cast<int64_t>(ibuf.size()) < groups) ibuf.resize(groups);
+  float* sum = fbuf.data() + blocks;
+  constexpr float kMax = 127.f * 256;
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + 32 * i;
+    const float amax = abs_max(xb, 32);
+    fbuf[i] = amax / kMax;
+    const __m256 inverse = _mm256_set1_ps(amax > 0.f ? kMax / amax : 0.f);
+    __m256 v[4];
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(xb + 8 * k);
+      q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inverse));
+    }
+    // The pack interleaves by 4 within 128-bit lanes; the permute restores the order.
+    __m256i* out = reinterpret_cast<__m256i*>(qbuf.data() + 32 * i);
+    _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+    _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    for (int g = 0; g < 32 / G; ++g) {
+      const int k = 4 / (32 / G) * g, n = 4 / (32 / G);  // this group's vectors
+      __m256i qs = q[k];
+      __m256 vs = v[k];
+      for (int j = 1; j < n; ++j) qs = _mm256_add_epi32(qs, q[k + j]), vs = _mm256_add_ps(vs, v[k + j]);
+      ibuf[i * (32 / G) + g] = -offset * hsum(qs);
+      sum[i * (32 / G) + g] = hsum(vs);
+    }
+  }
+  return {qbuf.data(), fbuf.data(), ibuf.data(), sum};
 }
 
 // The first g <= 8 floats at p, the other lanes zero (nothing past p + g is read).
@@ -807,18 +883,17 @@ void dequant_blocks_simd(const uint8_t* row, int64_t blocks, float* y) {
 
 // ---- The int8 decode path.
 
-// MB rows of x times R legacy-type weight rows (`pitch` bytes apart) of nb blocks each; sums[r * MB + m].
-// Per block, one integer dot product of its codes with each row of x, converted to float and scaled by the
-// block's and x's scales. Blocks go in groups of G (8, and 4, 2, 1 for the rest: each size unrolled at
-// compile time) whose scales (and minimums) are gathered and converted together (`halves`); each row of x
-// then has its G products of scales in a vector (each block's taken out by one vpermps), and folds the
-// offsets or minimums into one vector per group. Q8_0's signed weights enter as |w| with x's signs flipped
-// where w < 0 (vpmaddubsw takes one unsigned operand). Several chains of float sums at 1-2 rows of x, so
-// that consecutive blocks do not wait on one FMA. At one row of x two weight rows go at once (R = 2): a
-// row of few blocks otherwise waits on its final sums (a chain of dependent additions), which made rows of
-// 576 weights (18 blocks) about 20% slower; at two rows of x the registers no longer hold it all.
-// Every output is summed the same way whatever rows the thread split pairs it with: the engine may change
-// the thread count between steps, and a greedy decode must not change with it.
+// MB rows of x times R legacy-type weight rows (`pitch` bytes apart) of nb blocks each; sums[r * MB + m]. Per
+// block, one integer dot product of its codes with each row of x, converted to float and scaled by the block's
+// and x's scales. Blocks go in groups of G (8, and 4, 2, 1 for the rest: each size unrolled at compile time)
+// whose scales (and minimums) are gathered and converted together (`halves`); each row of x then has its G
+// products of scales in a vector (each block's taken out by one vpermps), and folds the offsets or minimums
+// into one vector per group. Q8_0's weights are widened to int16 and meet x in int16 (`kResidual`). Several
+// chains of float sums at 1-2 rows of x, so that consecutive blocks do not wait on one FMA. At one row of x
+// two weight rows go at once (R = 2): a row of few blocks otherwise waits on its final sums (a chain of
+// dependent additions), which made rows of 576 weights (18 blocks) about 20% slower; at two rows of x the
+// registers no longer hold it all. Every output is summed the same way whatever rows the thread split pairs it
+// with: the engine may change the thread count between steps, and a greedy decode must not change with it.
 template <int64_t Q, int MB, int R>
 void legacy_rows(const uint8_t* w, int64_t pitch, int64_t nb, const QuantizedX& x, float* sums) {
   using L = Layout<Q>;
@@ -843,7 +918,6 @@ void legacy_rows(const uint8_t* w, int64_t pitch, int64_t nb, const QuantizedX& 
       STRATA_UNROLL
       for (int m = 0; m < MB; ++m) {
         scale[r][m] = _mm256_mul_ps(dw, load_floats(x.d + m * nb + b0, G));
-        if constexpr (kResidual<Q>) scale[r][m] = _mm256_mul_ps(scale[r][m], _mm256_set1_ps(1.f / 128));
         if constexpr (D::kOffset != 0) {
           corr[r][m] = _mm256_fmadd_ps(dw, load_floats(x.qsum32 + m * nb + b0, G), corr[r][m]);
         } else if constexpr (D::kMin) {
@@ -857,18 +931,22 @@ void legacy_rows(const uint8_t* w, int64_t pitch, int64_t nb, const QuantizedX& 
           [&] {
             STRATA_UNROLL
             for (int r = 0; r < R; ++r) {
-              const __m256i codes = D::codes(w + r * pitch + (b0 + J) * L::kBytes);
-              __m256i u = codes;
-              if constexpr (Q == kQ8_0) u = _mm256_sign_epi8(codes, codes);  // |w|; 128 for -128, as unsigned
+              const uint8_t* block = w + r * pitch + (b0 + J) * L::kBytes;
+              __m256i lo, hi;  // Q8_0's weights in int16, else the codes in lo
+              if constexpr (Q == kQ8_0) {
+                lo = _mm256_cvtepi8_epi16(load16(block + 2));
+                hi = _mm256_cvtepi8_epi16(load16(block + 18));
+              } else {
+                lo = D::codes(block);
+              }
               STRATA_UNROLL
               for (int m = 0; m < MB; ++m) {
-                __m256i xv = load32(x.q + m * K + (b0 + J) * 32);
-                if constexpr (Q == kQ8_0) xv = _mm256_sign_epi8(xv, codes);
-                __m256i p = dot_u8s8(_mm256_setzero_si256(), u, xv);
-                if constexpr (kResidual<Q>) {  // 128 (codes . q) + codes . r, in 128ths of x's step
-                  __m256i xr = load32(x.r + m * K + (b0 + J) * 32);
-                  if constexpr (Q == kQ8_0) xr = _mm256_sign_epi8(xr, codes);
-                  p = dot_u8s8(_mm256_slli_epi32(p, 7), u, xr);
+                __m256i p;
+                if constexpr (Q == kQ8_0) {
+                  const int16_t* xm = x.q16 + m * K + (b0 + J) * 32;
+                  p = dot_s16(dot_s16(_mm256_setzero_si256(), lo, load32(xm)), hi, load32(xm + 16));
+                } else {
+                  p = dot_u8s8(_mm256_setzero_si256(), lo, load32(x.q + m * K + (b0 + J) * 32));
                 }
                 __m256& a = acc[r][J % kChains][m];
                 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
@@ -947,10 +1025,229 @@ void kquant_row(const uint8_t* w, int64_t nsb, const QuantizedX& x, float* sums)
   for (int m = 0; m < MB; ++m) sums[m] = hsum(acc[m]);
 }
 
+
+// ---- The batch path: more than kMaxDecodeRows rows of x.
+//
+// In decode each row of x meets each weight block in a dot product of its own, reduced across lanes and
+// scaled per block. With more rows each thread instead repacks 8 weight rows (a tile) so that a vector's
+// 32-bit lane r holds row r's weights (widened to int16) for 2 inputs, which one broadcast of x supplies to
+// all 8 lanes: 32 weights of 8 rows take 16 dot products per row of x, whose sums come out one output per
+// lane, ready for the rows' scales. The repacked tile stays in the thread's L1/L2 cache while every row of x
+// passes over it.
+
+// How a type's weights meet x in the batch path: in int16 (`quantize_batch`), for every type. int8 x, as
+// decode takes for 2- to 5-bit weights, would halve the dot products, but a prompt's x then moved a tiny
+// Gemma 2's first logprob (Q5_1) by 0.07 from the float reference, where the float panels this path replaced
+// had kept prefill exact. Scales (and minimums) apply per group of kGroup weights: a legacy block, a
+// Q4_K/Q5_K sub-block, or 16 weights of the other K-quants.
+template <int64_t Q>
+struct Batch {
+  static constexpr bool kLegacy = Layout<Q>::kElems == 32;
+  static constexpr int kGroup = kLegacy || Q == kQ4_K || Q == kQ5_K ? 32 : 16;
+  static constexpr int kGroups = 32 / kGroup;  // per 32 weights
+  static constexpr int kSteps = 16;            // vectors per 32 weights (2 weights of 8 rows each)
+  static constexpr int kOffset = [] {
+    if constexpr (kLegacy) return Legacy<Q>::kOffset;
+    return Q == kQ3_K ? 4 : Q == kQ6_K ? 32 : 0;
+  }();
+  static constexpr bool kMin = [] {
+    if constexpr (kLegacy) return Legacy<Q>::kMin;
+    return Q == kQ2_K || Q == kQ4_K || Q == kQ5_K;
+  }();
+  static constexpr int kVectors = kSteps + kGroups * (1 + kMin);  // per 32 weights of a tile
+};
+
+// 8 vectors' 32-bit lanes transposed: lane j of v[i] goes to lane i of v[j].
+inline void transpose8x32(__m256i (&v)[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// One GGUF block of a tile's `rows` weight rows (the first at `first`, `pitch` bytes apart; the others
+// taken as zero) into `out`: per 32 weights (`stride` vectors apart), Batch's kVectors vectors: the steps
+// (lane r: row r's two codes in int16 for the step's 2 inputs), then per group the rows' float scales (and
+// minimums).
+template <int64_t Q>
+void pack_block(const uint8_t* first, int64_t pitch, int rows, __m256i* out, int64_t stride) {
+  using B = Batch<Q>;
+  constexpr int kChunks = Layout<Q>::kElems / 32, kGroups = kChunks * B::kGroups;
+  __m256i codes[kChunks][8];
+  alignas(32) float scale[kGroups][8] = {}, minimum[kGroups][8] = {};
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* b = first + r * pitch;
+    if (r >= rows) {
+      for (int c = 0; c < kChunks; ++c) codes[c][r] = _mm256_setzero_si256();
+    } else if constexpr (B::kLegacy) {
+      codes[0][r] = Legacy<Q>::codes(b);
+      scale[0][r] = half_at(b);
+      if constexpr (B::kMin) minimum[0][r] = half_at(b + 2);
+    } else {
+      const typename KQuant<Q>::Super s(b);
+      [&]<int... J>(std::integer_sequence<int, J...>) {
+        ((codes[J][r] = s.template codes<J>()), ...);
+      }(std::make_integer_sequence<int, 8>());
+      alignas(32) float sc[16], bias[16];  // per 16 weights
+      s.affine(sc, bias);
+      for (int g = 0; g < kGroups; ++g) {
+        scale[g][r] = sc[g * B::kGroup / 16];
+        minimum[g][r] = bias[g * B::kGroup / 16];
+      }
+    }
+  }
+  for (int c = 0; c < kChunks; ++c) {
+    __m256i* o = out + c * stride;
+    for (int h = 0; h < 2; ++h) {  // weights 0-15, then 16-31
+      __m256i wide[8];
+      for (int r = 0; r < 8; ++r) {
+        const __m128i half = h == 0 ? _mm256_castsi256_si128(codes[c][r]) : _mm256_extracti128_si256(codes[c][r], 1);
+        wide[r] = Q == kQ8_0 ? _mm256_cvtepi8_epi16(half) : _mm256_cvtepu8_epi16(half);
+      }
+      transpose8x32(wide);
+      for (int s = 0; s < 8; ++s) _mm256_store_si256(o + 8 * h + s, wide[s]);
+    }
+    for (int g = 0; g < B::kGroups; ++g) {
+      __m256i* v = o + B::kSteps + g * (1 + B::kMin);
+      v[0] = _mm256_castps_si256(_mm256_load_ps(scale[c * B::kGroups + g]));
+      if constexpr (B::kMin) v[1] = _mm256_castps_si256(_mm256_load_ps(minimum[c * B::kGroups + g]));
+    }
+  }
+}
+
+// Rows m0 .. m0 + MB - 1 of x times T repacked tiles (`tiles`: per 32 weights, each tile's kVectors), into
+// out's columns n0 .. n0 + 8 T - 1 (those below N). Every output is one lane's chain, its groups in order,
+// each an integer dot product (started from the offset's correction) scaled into a float sum: the same
+// whatever MB, T and thread it is computed with.
+template <int64_t Q, int T, int MB>
+void batch_rows(const __m256i* tiles, int64_t K, const BatchX& x, int64_t m0,
+                const float* bias, float* out, int64_t N, int64_t n0) {
+  using B = Batch<Q>;
+  constexpr int kGroupSteps = B::kSteps / B::kGroups;
+  const int64_t nb = K / 32, ng = K / B::kGroup;
+  __m256 acc[T][MB];
+  for (int t = 0; t < T; ++t)
+    for (int m = 0; m < MB; ++m) acc[t][m] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nb; ++c) {
+    const __m256i* rec = tiles + c * T * B::kVectors;
+    const uint8_t* xc = reinterpret_cast<const uint8_t*>(x.q + m0 * K + 32 * c);
+    STRATA_UNROLL
+    for (int g = 0; g < B::kGroups; ++g) {
+      const int64_t group = c * B::kGroups + g;
+      __m256i ia[T][MB];
+      STRATA_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256i init =
+            B::kOffset != 0 ? _mm256_set1_epi32(x.init[(m0 + m) * ng + group]) : _mm256_setzero_si256();
+        for (int t = 0; t < T; ++t) ia[t][m] = init;
+      }
+      STRATA_UNROLL
+      for (int s = g * kGroupSteps; s < (g + 1) * kGroupSteps; ++s) {
+        __m256i wv[T];
+        STRATA_UNROLL
+        for (int t = 0; t < T; ++t) wv[t] = _mm256_load_si256(rec + t * B::kVectors + s);
+        STRATA_UNROLL
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xv = _mm256_set1_epi32(static_cast<int32_t>(u32_at(xc + m * K * 2 + 4 * s)));
+          STRATA_UNROLL
+          for (int t = 0; t < T; ++t) ia[t][m] = dot_s16(ia[t][m], wv[t], xv);
+        }
+      }
+      STRATA_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m256 dx = _mm256_set1_ps(x.d[(m0 + m) * nb + c]);
+        STRATA_UNROLL
+        for (int t = 0; t < T; ++t) {
+          const __m256i* v = rec + t * B::kVectors + B::kSteps + g * (1 + B::kMin);
+          const __m256 scale = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_load_si256(v)), dx);
+          acc[t][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[t][m]), scale, acc[t][m]);
+          if constexpr (B::kMin) {
+            acc[t][m] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_load_si256(v + 1)),
+                                        _mm256_set1_ps(x.sum[(m0 + m) * ng + group]), acc[t][m]);
+          }
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t n = n0 + 8 * t;
+    const int g = static_cast<int>(std::clamp<int64_t>(N - n, 0, 8));
+    if (g == 0) break;
+    const __m256 bv = bias ? load_floats(bias + n, g) : _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m) {
+      const __m256 v = _mm256_add_ps(acc[t][m], bv);
+      float* o = out + (m0 + m) * N + n;
+      if (g == 8) {
+        _mm256_storeu_ps(o, v);
+      } else {
+        alignas(32) float sums[8];
+        _mm256_store_ps(sums, v);
+        std::memcpy(o, sums, g * sizeof(float));
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int kBatchTiles = 2;  // 2 tiles by 4 rows of x: 8 chains of dot products, VNNI's latency times rate
+#else
+constexpr int kBatchTiles = 1;  // within AVX2's 16 registers
+#endif
+constexpr int kBatchPassRows = 4;
+// Multiply-adds a thread must get before a second one is woken.
+constexpr int64_t kMinBatchWorkPerThread = 512 * 1024;
+
+// out = x @ W.T (+ bias): units of kBatchTiles tiles split over the threads, each unit repacked
+// (`pack_block`) and then met by x's rows kBatchPassRows at a time.
+template <int64_t Q>
+void batch(const uint8_t* w, int64_t pitch, const float* x, const float* bias, float* out, int64_t M, int64_t N,
+           int64_t K) {
+  using B = Batch<Q>;
+  using L = Layout<Q>;
+  constexpr int T = kBatchTiles;
+  const BatchX xq = quantize_batch<B::kGroup>(x, M, K, B::kOffset);
+  const int64_t nb = K / L::kElems, chunks = K / 32, span = 8 * T, units = (N + span - 1) / span;
+  const int64_t grain = std::max<int64_t>(1, kMinBatchWorkPerThread / (span * K * M));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<int32_t> buffer;  // the tiles, from its first 32-byte boundary
+    const int64_t vectors = chunks * T * B::kVectors;
+    if (static_cast<int64_t>(buffer.size()) < 8 * vectors + 7) buffer.resize(8 * vectors + 7);
+    __m256i* tiles = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t{31});
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n0 = u * span;
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int t = 0; t < T; ++t) {
+          const int64_t n = n0 + 8 * t;
+          const int rows = static_cast<int>(std::clamp<int64_t>(N - n, 0, 8));
+          pack_block<Q>(w + std::min(n, N - 1) * pitch + b * L::kBytes, pitch, rows,
+                        tiles + (b * L::kElems / 32 * T + t) * B::kVectors, T * B::kVectors);
+        }
+      }
+      const auto pass = [&]<int MB>(int64_t m0) { batch_rows<Q, T, MB>(tiles, K, xq, m0, bias, out, N, n0); };
+      int64_t m0 = 0;
+      for (; m0 + kBatchPassRows <= M; m0 += kBatchPassRows) pass.template operator()<kBatchPassRows>(m0);
+      [&]<int... R>(std::integer_sequence<int, R...>) {  // the last M % kBatchPassRows rows
+        ((M - m0 == R + 1 ? pass.template operator()<R + 1>(m0) : void()), ...);
+      }(std::make_integer_sequence<int, kBatchPassRows - 1>());
+    }
+  });
+}
+
 #endif  // STRATA_GGUF_AVX2
 
-// Whether a type takes the int8 decode path (every quantized type on x86 with AVX2); the others, and every
-// type elsewhere, take the float path.
+// Whether a type takes the integer paths, decode's and the batch path (every quantized type on x86 with
+// AVX2); the others, and every type elsewhere, take the float path and the float panels.
 template <int64_t Q>
 constexpr bool kInt8Path =
 #if STRATA_GGUF_AVX2
@@ -1053,10 +1350,18 @@ void float_row(const uint8_t* row, const float* x, int64_t K, float* sums) {
 // ---------------------------------------------------------------------------------------------------------
 // Decode: rows [begin, end) of the weight, MB rows of x.
 
-// Up to this many rows of x decode; more take the float panels (`wide`), whose GEMM keeps prefill free of
-// x's int8 rounding. (At one thread on Zen 4 the int8 path would still be the faster one for some rows
-// more: 8 rows of a 4096 x 4096 Q4_0 weight took 2.9 ms, 9 rows through the panels 8.9 ms, 16 rows 10.5 ms.)
+// Up to this many rows of x decode; more take the batch path (quantized types with AVX2) or the float panels.
+// On one Zen 4 core the batch path's repacking and int16 x paid for themselves from about 8 rows.
 constexpr int64_t kMaxDecodeRows = 8;
+
+// Without VNNI, above this many rows the float panels take over from the batch path: its int16 dot products
+// (vpmaddwd and an add) then only match the float GEMM's FMAs, and on Zen 4 built for x86-64-v3 it ran
+// 0.66-0.98x the panels' speed at 64-512 rows (1.0-1.5x at 9-32).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+constexpr int64_t kMaxBatchRows = std::numeric_limits<int64_t>::max();
+#else
+constexpr int64_t kMaxBatchRows = 32;
+#endif
 
 template <int64_t Q, int MB>
 void decode_rows(const uint8_t* w, int64_t pitch, const float* x, const QuantizedX& xq, const float* bias,
@@ -1096,16 +1401,9 @@ void decode_rows(const uint8_t* w, int64_t pitch, const float* x, const Quantize
 template <int64_t Q>
 void decode_rows_m(int64_t M, const uint8_t* w, int64_t pitch, const float* x, const QuantizedX& xq,
                    const float* bias, float* out, int64_t N, int64_t K, int64_t begin, int64_t end) {
-  switch (M) {
-    case 1: decode_rows<Q, 1>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 2: decode_rows<Q, 2>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 3: decode_rows<Q, 3>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 4: decode_rows<Q, 4>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 5: decode_rows<Q, 5>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 6: decode_rows<Q, 6>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    case 7: decode_rows<Q, 7>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-    default: decode_rows<Q, 8>(w, pitch, x, xq, bias, out, N, K, begin, end); break;
-  }
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((M == I + 1 ? decode_rows<Q, I + 1>(w, pitch, x, xq, bias, out, N, K, begin, end) : void()), ...);
+  }(std::make_integer_sequence<int, kMaxDecodeRows>());
 }
 
 // A layer is split over threads only when each thread gets at least this much work, counted in weight
@@ -1118,7 +1416,17 @@ template <int64_t Q>
 void decode(const uint8_t* w, int64_t pitch, const float* x, const float* bias, float* out, int64_t M,
             int64_t N, int64_t K) {
   QuantizedX xq;
-  if constexpr (kInt8Path<Q>) xq = quantize_x(x, M, K, Layout<Q>::kElems, kResidual<Q>);
+#if STRATA_GGUF_AVX2
+  if constexpr (Q == kQ8_0) {
+    const BatchX x16 = quantize_batch<32>(x, M, K, 0);
+    xq.K = K;
+    xq.block = 32;
+    xq.q16 = x16.q;
+    xq.d = x16.d;
+  } else if constexpr (kInt8Path<Q>) {
+    xq = quantize_x(x, M, K, Layout<Q>::kElems, kResidual<Q>);
+  }
+#endif
   const int64_t row_bytes = K / Layout<Q>::kElems * Layout<Q>::kBytes;
   const int64_t grain = std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, row_bytes * (M + 1) / 2));
   const auto run = [&](int64_t begin, int64_t end) {
@@ -1132,13 +1440,13 @@ void decode(const uint8_t* w, int64_t pitch, const float* x, const float* bias, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Wide x: panels of weight rows dequantized into a float32 scratch and multiplied by x with ATen's GEMM, one
-// panel per call on each thread (single-threaded inside the parallel region), straight into out's columns.
-// Panels of about kPanelFloats (1 MiB, one L2 cache): smaller ones pay ATen's per-call overhead and the
-// GEMM's packing of x too often (at M = 32, 64K-float panels ran at 1.2-1.5x a dense float32 linear's
-// time, 256K-float ones at 1.0-1.1x). The panels, equal multiples of 16 rows, depend on the weight's shape
-// alone, not on the thread count (which the engine may change between steps): each output is then the
-// same GEMM's whatever thread computes it.
+// Wide x on F16/BF16/F32 weights (and every type without AVX2): panels of weight rows dequantized into a
+// float32 scratch and multiplied by x with ATen's GEMM, one panel per call on each thread (single-threaded
+// inside the parallel region), straight into out's columns. Panels of about kPanelFloats (1 MiB, one L2
+// cache): smaller ones pay ATen's per-call overhead and the GEMM's packing of x too often (at M = 32,
+// 64K-float panels ran at 1.2-1.5x a dense float32 linear's time, 256K-float ones at 1.0-1.1x). The panels,
+// equal multiples of 16 rows, depend on the weight's shape alone, not on the thread count (which the engine
+// may change between steps): each output is then the same GEMM's whatever thread computes it.
 
 constexpr int64_t kPanelFloats = 256 * 1024;
 // Multiply-adds below which a thread is not worth waking (about 10 us of a GEMM's work).
@@ -1209,9 +1517,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t q
   at::Tensor out = at::empty({M, N}, x.options());
   with_qtype(qtype, "gguf_linear", [&](auto tag) {
     constexpr int64_t Q = decltype(tag)::value;
+    const float* bp = bias ? b.const_data_ptr<float>() : nullptr;
     if (M <= kMaxDecodeRows) {
-      decode<Q>(wp, pitch, xc.const_data_ptr<float>(), bias ? b.const_data_ptr<float>() : nullptr,
-                out.mutable_data_ptr<float>(), M, N, K);
+      decode<Q>(wp, pitch, xc.const_data_ptr<float>(), bp, out.mutable_data_ptr<float>(), M, N, K);
+    } else if (kInt8Path<Q> && M <= kMaxBatchRows) {
+#if STRATA_GGUF_AVX2
+      if constexpr (kInt8Path<Q>) {
+        batch<Q>(wp, pitch, xc.const_data_ptr<float>(), bp, out.mutable_data_ptr<float>(), M, N, K);
+      }
+#endif
     } else {
       wide<Q>(wp, pitch, xc, out, M, N, K);
       if (bias) out.add_(b);
