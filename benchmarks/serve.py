@@ -9,6 +9,12 @@ between later text chunks, and output tokens come from the stream's final usage 
     strata serve &                                     # the bundled model on 127.0.0.1:8000
     python benchmarks/serve.py --concurrency 8 --num-requests 64 --max-tokens 64
     python benchmarks/serve.py --launch --concurrency 16   # start (and stop) a server itself
+
+`--scenario fairness` measures instead what a small request waits beside a huge one: the TTFT of
+`--small-requests` small streaming requests sent one after another, first alone, then while one request
+of `--huge-prompts` prompts x `--huge-n` sequences x `--huge-max-tokens` tokens runs.
+
+    python benchmarks/serve.py --launch --scenario fairness --huge-prompts 8 --huge-n 128
 """
 
 from __future__ import annotations
@@ -109,6 +115,74 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
     return report(model, args, results, duration)
 
 
+async def run_fairness(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=3600) as client:
+        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+        small = {
+            "model": model,
+            "prompt": PROMPTS[0],
+            "max_tokens": args.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        huge = {
+            "model": model,
+            "prompt": [PROMPTS[i % len(PROMPTS)] for i in range(args.huge_prompts)],
+            "n": args.huge_n,
+            "max_tokens": args.huge_max_tokens,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        }
+        alone = [await one_request(client, small) for _ in range(args.small_requests)]
+        start = time.perf_counter()
+        huge_task = asyncio.create_task(client.post("/v1/completions", json=huge))
+        await asyncio.sleep(args.huge_head_start)  # the huge request's sequences fill the batch first
+        beside = []
+        for _ in range(args.small_requests):
+            if huge_task.done():
+                break
+            beside.append(await one_request(client, small))
+        response = await huge_task
+        huge_seconds = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"the huge request failed: HTTP {response.status_code}: {response.text[:300]}")
+
+    def ttft(results: list[RequestResult]) -> dict[str, float]:
+        values = [r.ttft for r in results]
+        return {
+            "p50": round(percentile(values, 50) * 1000, 1),
+            "max": round(max(values, default=0) * 1000, 1),
+        }
+
+    return {
+        "scenario": "fairness",
+        "model": model,
+        "url": args.url,
+        "huge_request": f"{args.huge_prompts} prompts x n={args.huge_n} x {args.huge_max_tokens} tokens",
+        "huge_request_s": round(huge_seconds, 2),
+        "small_max_tokens": args.max_tokens,
+        "small_ttft_alone_ms": ttft(alone),
+        "small_ttft_beside_huge_ms": ttft(beside),
+        "small_requests_beside_huge": len(beside),
+    }
+
+
+def fairness_table(result: dict[str, Any]) -> str:
+    title = (
+        f"{result['model']}: a small request beside {result['huge_request']} ({result['huge_request_s']} s)"
+    )
+    rows = [
+        ("small request TTFT alone, ms p50 / max", result["small_ttft_alone_ms"]),
+        ("small request TTFT beside it, ms p50 / max", result["small_ttft_beside_huge_ms"]),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = [title, "-" * len(title)]
+    lines += [f"{label:<{width}}  {stats['p50']:.1f} / {stats['max']:.1f}" for label, stats in rows]
+    return "\n".join(lines)
+
+
 def report(
     model: str, args: argparse.Namespace, results: list[RequestResult], duration: float
 ) -> dict[str, Any]:
@@ -184,6 +258,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS"
     )
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON report to this file")
+    parser.add_argument(
+        "--scenario",
+        choices=("load", "fairness"),
+        default="load",
+        help="steady load, or a small request's TTFT beside a huge one",
+    )
+    parser.add_argument(
+        "--small-requests", type=int, default=5, help="fairness: small requests, alone and beside"
+    )
+    parser.add_argument("--huge-prompts", type=int, default=8, help="fairness: prompts of the huge request")
+    parser.add_argument("--huge-n", type=int, default=128, help="fairness: n of the huge request")
+    parser.add_argument(
+        "--huge-max-tokens", type=int, default=200, help="fairness: max_tokens of the huge request"
+    )
+    parser.add_argument(
+        "--huge-head-start",
+        type=float,
+        default=1.0,
+        help="fairness: seconds the huge request runs before the small ones",
+    )
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.num_requests < 1 or args.max_tokens < 1:
         parser.error("--concurrency, --num-requests and --max-tokens must be >= 1")
@@ -194,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     server = launch_server(httpx.URL(args.url).port or 8000) if args.launch else None
     try:
-        result = asyncio.run(run_load(args))
+        result = asyncio.run(run_fairness(args) if args.scenario == "fairness" else run_load(args))
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
@@ -202,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     if args.json_out is not None:
         args.json_out.write_text(text + "\n")
-    print(f"{text}\n\n{table(result)}")
+    print(f"{text}\n\n{fairness_table(result) if args.scenario == 'fairness' else table(result)}")
     return 0
 
 

@@ -25,6 +25,16 @@ is compared with llama.cpp on the same file (`vs_llama_cpp`) and with `strata-co
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,32 --engines \
         strata-compiled,strata-gguf-q4_0,llama.cpp-q4_0,strata-gguf-q4_k_m,llama.cpp-q4_k_m
     python benchmarks/throughput.py --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 1
+
+--structured json adds, for each Strata engine E, an engine `E+json` (its own `LLM`, same options) whose
+requests are constrained to a JSON schema (`structured_outputs`): an array of at least --new-tokens objects
+with a bounded string and an integer each, so no request can finish early; its row's `vs unconstrained`
+is its tokens/s over E's. Every Strata engine then loads the tokenizer and detokenizes, as the constrained
+one must, so the two differ only in the constraint. It needs the file's tokenizer, so it runs with
+--gguf-file:
+
+    python benchmarks/throughput.py --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --engines strata-gguf \
+        --concurrency 32 --new-tokens 64 --prefill-len 0 --structured json
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ GREEDY_CHECK_TOKENS = 8  # the engines' greedy ids must agree this far; random w
 # (`llama_cpp.LLAMA_FTYPE_MOSTLY_<name upper-cased>`).
 GGUF_QUANTS = ("q8_0", "q4_0", "q4_k_m")
 STRATA_GGUF, STRATA_F32 = "strata-gguf", "strata-compiled"  # Strata on a GGUF file; its float32 reference
+STRUCTURED_SUFFIX = "+json"  # a Strata engine whose requests are constrained to `structured_schema`
 
 _COMMON: dict[str, Any] = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -93,14 +104,38 @@ DEFAULT_ENGINES, GGUF_FILE_ENGINES = f"strata,{BASELINE},{LLAMA_CPP}", f"{STRATA
 Generate = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
 
 
-def strata_engine(folder: Path, max_batch: int, max_len: int, **variant: Any) -> Generate:
-    """Strata's `LLM` with the variant's options, its cache sized to the workload."""
-    from strata import LLM, SamplingParams
+def structured_schema(new_tokens: int) -> dict[str, Any]:
+    """A JSON schema no output can complete in `new_tokens` tokens (every item takes several), mixing the
+    masks of keys, free strings and numbers."""
+    item = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    return {"type": "array", "items": item, "minItems": new_tokens}
 
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=max_len, max_num_seqs=max_batch, **variant)
+
+def strata_engine(
+    folder: Path, max_batch: int, max_len: int, tokenizer: bool, structured: bool = False, **variant: Any
+) -> Generate:
+    """Strata's `LLM` with the variant's options, its cache sized to the workload, with the model's tokenizer
+    or on token ids alone; with `structured`, its requests constrained to `structured_schema`."""
+    from strata import LLM, SamplingParams
+    from strata.sampling_params import StructuredOutputsParams
+
+    llm = LLM(
+        str(folder),
+        skip_tokenizer_init=not tokenizer,
+        max_model_len=max_len,
+        max_num_seqs=max_batch,
+        **variant,
+    )
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        spec = StructuredOutputsParams(json=structured_schema(new_tokens)) if structured else None
+        params = SamplingParams(
+            temperature=0, max_tokens=new_tokens, ignore_eos=True, structured_outputs=spec
+        )
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
@@ -162,6 +197,7 @@ def llama_cpp_engine(path: Path, max_batch: int, max_len: int) -> Generate:
 def gguf_format(engine: str) -> str | None:
     """The GGUF file a GGUF engine runs on ("f32": the model's own, else a quantization of it); None for the
     engines on the folder."""
+    engine = engine.removesuffix(STRUCTURED_SUFFIX)
     for family in (STRATA_GGUF, LLAMA_CPP):
         if engine == family or engine.startswith(f"{family}-"):
             return engine.removeprefix(family).removeprefix("-") or "f32"
@@ -170,7 +206,10 @@ def gguf_format(engine: str) -> str | None:
 
 def peers(engine: str) -> dict[str, str]:
     """The engines a row is compared with, by ratio field: transformers; llama.cpp on the same file (the
-    F32 GGUF for the engines on the folder); and for Strata on a GGUF file, Strata compiled on the folder."""
+    F32 GGUF for the engines on the folder); and for Strata on a GGUF file, Strata compiled on the folder.
+    A structured engine is compared with the same engine unconstrained only."""
+    if engine.endswith(STRUCTURED_SUFFIX):
+        return {"vs_unconstrained": engine.removesuffix(STRUCTURED_SUFFIX)}
     fmt = gguf_format(engine)
     out = {"vs_transformers": BASELINE}
     if not engine.startswith(LLAMA_CPP):
@@ -181,17 +220,22 @@ def peers(engine: str) -> dict[str, str]:
 
 
 def build_engine(
-    name: str, folder: Path | None, files: dict[str, Path], max_batch: int, max_len: int
+    name: str, folder: Path | None, files: dict[str, Path], max_batch: int, max_len: int, tokenizer: bool
 ) -> Generate:
-    """The engine `name` on the folder or on its GGUF file (`files`, by format)."""
+    """The engine `name` on the folder or on its GGUF file (`files`, by format); Strata's with the model's
+    tokenizer when `tokenizer`."""
+    structured = name.endswith(STRUCTURED_SUFFIX)
+    name = name.removesuffix(STRUCTURED_SUFFIX)
     if (fmt := gguf_format(name)) is not None:
         if name.startswith(LLAMA_CPP):
             return llama_cpp_engine(files[fmt], max_batch, max_len)
-        return strata_engine(files[fmt], max_batch, max_len, **STRATA_VARIANTS[STRATA_F32])
+        return strata_engine(
+            files[fmt], max_batch, max_len, tokenizer, structured, **STRATA_VARIANTS[STRATA_F32]
+        )
     assert folder is not None, f"{name} needs a model folder"
     if name == BASELINE:
         return transformers_engine(folder, max_batch, max_len)
-    return strata_engine(folder, max_batch, max_len, **STRATA_VARIANTS[name])
+    return strata_engine(folder, max_batch, max_len, tokenizer, structured, **STRATA_VARIANTS[name])
 
 
 def bytes_per_weight(engine: str) -> int:
@@ -434,7 +478,10 @@ def bench_model(model: str, engines: list[str], args: argparse.Namespace, report
     }
     bandwidth = report["machine"]["memory_read_gb_s"] * 1e9
     max_len = max(PROMPT_LEN + args.new_tokens, args.prefill_len + 1)
-    runners = {name: build_engine(name, folder, files, max(args.concurrency), max_len) for name in engines}
+    tokenizer = args.structured is not None
+    runners = {
+        name: build_engine(name, folder, files, max(args.concurrency), max_len, tokenizer) for name in engines
+    }
     greedy_ref: dict[str, str] = {}
     greedy_match: dict[str, bool] = {}
     for c in args.concurrency:
@@ -471,6 +518,8 @@ def greedy_references(engines: list[str], float_folder: bool) -> dict[str, str]:
     default = BASELINE if BASELINE in engines else engines[0]
     refs = {}
     for name in engines:
+        if name.endswith(STRUCTURED_SUFFIX):
+            continue  # constrained: its ids differ by design
         peer = peers(name).get("vs_llama_cpp")
         if name.startswith(STRATA_GGUF) and peer in engines:
             refs[name] = peer
@@ -484,6 +533,7 @@ RATIOS = {
     "vs_transformers": "vs transformers",
     "vs_llama_cpp": "vs llama.cpp",
     "vs_strata_f32": "vs strata f32",
+    "vs_unconstrained": "vs unconstrained",
 }
 
 
@@ -561,10 +611,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="benchmark this GGUF file (not --models): strata-gguf and llama.cpp on it",
     )
+    add(
+        "--structured",
+        choices=["json"],
+        default=None,
+        help="also run each Strata engine with its requests constrained to a JSON schema (needs --gguf-file)",
+    )
     add("--json-out", type=Path, default=None, help="also write the JSON report to this file")
     args = p.parse_args(argv)
     default = GGUF_FILE_ENGINES if args.gguf_file else DEFAULT_ENGINES
     args.engines = list(dict.fromkeys(ENGINE_ALIASES.get(e, e) for e in args.engines or default.split(",")))
+    if args.structured and not args.gguf_file:
+        p.error("--structured needs --gguf-file: the constrained requests need the file's tokenizer")
+    if args.structured:
+        strata = [e for e in args.engines if e.startswith("strata")]
+        args.engines += [e + STRUCTURED_SUFFIX for e in strata]
     if args.gguf_file and not args.gguf_file.is_file():
         p.error(f"--gguf-file {args.gguf_file}: no such file")
     if args.gguf_file and (others := [e for e in args.engines if gguf_format(e) != "f32"]):
@@ -593,7 +654,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not engines:
         print("error: no engine left to run", file=sys.stderr)
         return 2
-    settings = {key: getattr(args, key) for key in ("concurrency", "new_tokens", "prefill_len", "repeats")}
+    settings = {
+        key: getattr(args, key)
+        for key in ("concurrency", "new_tokens", "prefill_len", "repeats", "structured")
+    }
     settings["gguf_file"] = args.gguf_file and str(args.gguf_file)
     report: dict[str, Any] = {
         "machine": machine_info(),

@@ -36,6 +36,10 @@ FORBIDDEN = {
         "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.hw_agnostic",
         "strata.models", "strata.platforms", "strata.worker",
     ],
+    "strata.structured_output": [
+        "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.hw_agnostic",
+        "strata.models", "strata.platforms", "strata.worker",
+    ],
     "strata.models": ["strata.engine", "strata.entrypoints", "strata.sample", "strata.worker"],
     "strata.worker": ["strata.engine", "strata.entrypoints", "strata.sample"],
     "strata.engine": ["strata.entrypoints"],

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
 
@@ -15,6 +17,15 @@ SAMPLING_EPS = 1e-5
 # torch.Generator.manual_seed accepts any value representable as int64 or uint64.
 _MIN_SEED = -(2**63)
 _MAX_SEED = 2**64 - 1
+
+# The kinds of StructuredOutputsParams, exactly one of which a request sets.
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# What names a compiled grammar: (kind, spec text, JSON whitespace: None default, "" none, else a regex).
+GrammarKey = tuple[str, str, str | None]
+
+# vLLM's (and OpenAI's) range for one logit bias.
+_MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -69,6 +80,115 @@ def _check_logprobs(name: str, value: Any) -> int | None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a JSON schema, a regex, a list of choices or a grammar (vLLM's
+    `StructuredOutputsParams`). Exactly one of `json`, `regex`, `choice`, `grammar` and `json_object` is
+    given; the spec is checked by the grammar engine on construction, so an invalid schema, regex or grammar
+    is a `SamplingParamsError` naming the problem.
+
+    `json` is a JSON schema (a dict or its JSON text), `grammar` an EBNF (GBNF) or Lark grammar,
+    `json_object=True` any JSON object. `disable_any_whitespace` allows no whitespace between JSON tokens;
+    `whitespace_pattern` (a regex) replaces the default whitespace between them.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if self._is_set(name)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or json_object, got "
+                + (", ".join(given) if given else "none")
+            )
+        if self.json is not None:
+            self.json = _check_json_schema(self.json)
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsTypeError(
+                    f"structured_outputs.{name} must be a non-empty str, got {_type_name(value)} {value!r}"
+                )
+        if self.choice is not None:
+            self.choice = _check_str_list("structured_outputs.choice", self.choice)
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        # Imported here: that module imports this one, and loads the grammar engine only when it is used.
+        from strata.structured_output.grammar import grammar_text
+
+        grammar_text(self.key)  # compiles to the engine's grammar format once, and raises if invalid
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not None and value is not False
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> StructuredOutputsParams:
+        """Built from a request body's dict (the server's `structured_outputs`), unknown keys refused."""
+        allowed = {f.name for f in fields(cls)}
+        unknown = set(values) - allowed
+        if unknown:
+            raise SamplingParamsError(
+                f"structured_outputs: unknown keys {sorted(unknown)}; allowed are {', '.join(sorted(allowed))}"
+            )
+        return cls(**values)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in _STRUCTURED_KINDS if self._is_set(name))
+
+    @property
+    def key(self) -> GrammarKey:
+        """(kind, spec text, JSON whitespace) that names the compiled grammar: equal keys share one."""
+        kind = self.kind
+        spec: Any = getattr(self, kind)
+        text = spec if isinstance(spec, str) else json.dumps(spec)  # insertion order kept: it orders output
+        whitespace = "" if self.disable_any_whitespace else self.whitespace_pattern
+        return kind, text, whitespace
+
+
+def _check_json_schema(schema: Any) -> dict[str, Any] | str:
+    """A dict, or JSON text holding an object (kept as given: the text is the cache key)."""
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {exc}") from exc
+        if not isinstance(parsed, dict | bool):
+            raise SamplingParamsError(
+                f"structured_outputs.json must be a JSON schema object, got {_type_name(parsed)}"
+            )
+        return schema
+    if not isinstance(schema, dict):
+        raise SamplingParamsTypeError(
+            f"structured_outputs.json must be a dict or a JSON string, got {_type_name(schema)} {schema!r}"
+        )
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise SamplingParamsTypeError(f"structured_outputs.json must be JSON-serialisable: {exc}") from exc
+    return schema
+
+
+def _check_str_list(name: str, value: Any) -> list[str]:
+    if not isinstance(value, list | tuple) or not value:
+        raise SamplingParamsTypeError(
+            f"{name} must be a non-empty list of str, got {_type_name(value)} {value!r}"
+        )
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise SamplingParamsTypeError(f"{name} must hold non-empty str, got {_type_name(item)} {item!r}")
+    return list(value)
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters for one request; validated and normalised on construction.
 
@@ -97,6 +217,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit, in [-100, 100] (ids as ints or decimal strings, as JSON gives them).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -163,6 +288,23 @@ class SamplingParams:
         ):
             _check_bool(name, getattr(self, name))
 
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise SamplingParamsTypeError(
+                "structured_outputs must be None, a StructuredOutputsParams or a dict, got "
+                f"{_type_name(self.structured_outputs)} {self.structured_outputs!r}"
+            )
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._normalise_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids must be None or a non-empty list of int")
+        if self.bad_words is not None:
+            self.bad_words = _check_str_list("bad_words", self.bad_words)
+
         if self.temperature < SAMPLING_EPS:
             # Greedy: these cannot change an argmax, and resetting them lets the sampler skip stages.
             self.top_p = 1.0
@@ -189,16 +331,51 @@ class SamplingParams:
     def _normalise_stop_token_ids(stop_token_ids: Any) -> list[int]:
         if stop_token_ids is None:
             return []
-        if not isinstance(stop_token_ids, list | tuple):
+        return SamplingParams._normalise_token_ids("stop_token_ids", stop_token_ids)
+
+    @staticmethod
+    def _normalise_token_ids(name: str, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, list | tuple):
             raise SamplingParamsTypeError(
-                f"stop_token_ids must be None or a list of int, got "
-                f"{_type_name(stop_token_ids)} {stop_token_ids!r}"
+                f"{name} must be None or a list of int, got {_type_name(token_ids)} {token_ids!r}"
             )
-        result = [_check_int("stop_token_ids", token_id) for token_id in stop_token_ids]
+        result = [_check_int(name, token_id) for token_id in token_ids]
         for token_id in result:
             if token_id < 0:
-                raise SamplingParamsError(f"stop_token_ids must contain ints >= 0, got {token_id}")
+                raise SamplingParamsError(f"{name} must contain ints >= 0, got {token_id}")
         return result
+
+    @staticmethod
+    def _normalise_logit_bias(logit_bias: Any) -> dict[int, float] | None:
+        if logit_bias is None:
+            return None
+        if not isinstance(logit_bias, Mapping):
+            raise SamplingParamsTypeError(
+                f"logit_bias must be None or a dict of token id -> float, got {_type_name(logit_bias)} {logit_bias!r}"
+            )
+        result: dict[int, float] = {}
+        for key, value in logit_bias.items():
+            token_id = int(key) if isinstance(key, str) and key.isdecimal() else key
+            token_id = _check_int("logit_bias token id", token_id)
+            if token_id < 0:
+                raise SamplingParamsError(f"logit_bias token ids must be >= 0, got {token_id}")
+            bias = _check_float(f"logit_bias[{token_id}]", value)
+            if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+            result[token_id] = bias
+        return result
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """allowed_token_ids and logit_bias name ids of the model's vocabulary (known only to the engine)."""
+        for name, token_ids in (
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
+            outside = [t for t in token_ids if t >= vocab_size]
+            if outside:
+                raise SamplingParamsError(
+                    f"{name} holds token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}"
+                )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -222,6 +399,16 @@ class SamplingParams:
     @property
     def penalizes_output(self) -> bool:
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether some tokens are masked or biased: structured outputs, allowed/bad tokens, logit_bias."""
+        return (
+            self.structured_outputs is not None
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     def bans_stop_tokens(self, num_output_tokens: int) -> bool:
         """Before `min_tokens` outputs, EOS and `stop_token_ids` may not be sampled."""

@@ -289,7 +289,7 @@ def test_stages_are_skipped_when_unused() -> None:
     md = build([SamplingParams(), SamplingParams(temperature=0.0)], 10, [[1, 2]] * 2, [[3]] * 2)
     assert md.repetition_ids is None and md.output_penalty_ids is None
     assert md.top_k is None and md.top_p is None and md.min_p is None and md.temperature is None
-    assert md.min_tokens_ban is None and md.generators == {}
+    assert md.token_ban is None and md.generators == {}
     md = build(
         [SamplingParams(), SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)],
         10,
@@ -504,7 +504,7 @@ def test_plain_greedy_rows_are_those_the_argmax_alone_samples(
     # The sampler's own metadata agrees: a plain row is greedy and gets no ban, penalty or logprobs.
     generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
     metadata = build([params], 50, [[5, 6]], [[7] * num_output_tokens], [generator], eos=[0])
-    stages = (metadata.min_tokens_ban, metadata.repetition_ids, metadata.output_penalty_ids)
+    stages = (metadata.token_ban, metadata.repetition_ids, metadata.output_penalty_ids)
     assert (
         metadata.all_greedy and all(stage is None for stage in stages) and metadata.num_logprobs == [None]
     ) is plain

@@ -6,16 +6,21 @@ steps, steps while any request is unfinished (so requests that arrive while othe
 forward passes), and hands each step's outputs to the event loop in one `call_soon_threadsafe` call, which
 routes them to per-request asyncio queues. Torch releases the GIL in its kernels, so the event loop keeps
 serving HTTP while the model runs.
+
+Tokenizing and detokenizing what clients send (prompts, chat templates, token lists) can take seconds for
+large inputs, so callers run it through `run_tokenizer`, on a small thread pool beside the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from strata.engine.llm_engine import LLMEngine, PromptType
 from strata.outputs import RequestOutput
@@ -26,6 +31,13 @@ logger = logging.getLogger("strata.async_engine")
 
 class EngineDeadError(RuntimeError):
     """The engine is shutting down or stopped: the request cannot be (or was not) completed."""
+
+
+T = TypeVar("T")
+
+# Threads tokenizing requests at once: enough that one huge prompt does not queue every other request
+# behind it, few enough that many huge prompts cannot take every core from the engine.
+TOKENIZER_THREADS = 2
 
 
 # What the engine thread delivers to a request's queue: an output, or the error that ended the request.
@@ -45,6 +57,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="strata-tokenizer")
         # Written by the engine thread after every step, read anywhere: a snapshot, never the live engine.
         self.stats: dict[str, Any] = engine.stats()
 
@@ -65,6 +78,7 @@ class AsyncLLMEngine:
         self._inbox.put(("stop", None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         # A request queued just as the thread stopped was never added: fail it too.
         for deliveries in self._queues.values():
             deliveries.put_nowait(EngineDeadError("the server shut down before the request started"))
@@ -74,6 +88,12 @@ class AsyncLLMEngine:
         return self._thread is not None and not self._stopping
 
     # -- requests -------------------------------------------------------------------------------------
+    async def run_tokenizer(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer pool, off the event loop (the tokenizer is only ever read)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(fn, *args)
+        )
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Validate and tokenise in the caller's thread (read-only), so bad prompts fail before queueing."""
         return self.engine.tokenize_prompt(prompt)

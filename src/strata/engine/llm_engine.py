@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict
 from typing import Any
@@ -28,10 +28,12 @@ from strata.sample import (
     Sampler,
     SamplingMetadata,
     SamplingRow,
+    TokenConstraints,
     TokenLogprobs,
     compute_prompt_logprobs,
 )
-from strata.sampling_params import SamplingParams
+from strata.sampling_params import SamplingParams, SamplingParamsError
+from strata.structured_output import StructuredOutputError, StructuredOutputManager
 from strata.worker.model_runner import ModelOutput, ModelRunner
 
 logger = logging.getLogger("strata.engine")
@@ -73,6 +75,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.sampler = Sampler(torch.Generator().manual_seed(model_config.seed), config.platform.argmax_rows)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
         self._token_text_cache: dict[int, str] = {}
@@ -171,7 +174,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        params.check_token_ids(self.vocab_size)
+        if (params.structured_outputs is not None or params.bad_words) and self.tokenizer is None:
+            raise SamplingParamsError(
+                "structured_outputs and bad_words need a tokenizer; this engine was started with "
+                "skip_tokenizer_init=True"
+            )
         request = Request(request_id, text, ids, params, time.monotonic(), final_output_only)
+        request.constraints = TokenConstraints.resolve(params, self.tokenizer, self.vocab_size)
         for index in range(params.n):
             generator = None
             if params.seed is not None:
@@ -179,7 +189,10 @@ class LLMEngine:
             detokenizer = None
             if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            request.seqs.append(Sequence(request, index, generator, detokenizer))
+            grammar = None
+            if params.structured_outputs is not None:
+                grammar = self.structured_output.sequence_grammar(params.structured_outputs)
+            request.seqs.append(Sequence(request, index, generator, detokenizer, grammar))
         self.requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -206,21 +219,26 @@ class LLMEngine:
         self.num_forward_passes += 1
         self.num_forward_tokens += schedule.num_tokens
         sampling = [item for item in schedule.scheduled if item.samples]
-        sampled_tokens, sampled_logprobs = self._sample(sampling, model_output)
+        failed = self._grammar_failures(sampling)
+        sampled = [item for index, item in enumerate(sampling) if index not in failed]
+        sampled_tokens, sampled_logprobs = self._sample(sampled, model_output, failed)
         self._record_prompt_logprobs(schedule.scheduled, model_output)
         for item in schedule.scheduled:
             seq = item.seq
             computed_before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_tokens
             self.block_manager.cache_full_blocks(seq, computed_before)
+        for index, error in failed.items():
+            logger.error("request %s aborted: %s", sampling[index].seq.request.request_id, error)
+            self.scheduler.finish(sampling[index].seq, SequenceStatus.FINISHED_ABORTED)
         now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for item, token, token_logprobs in zip(sampling, sampled_tokens, sampled_logprobs, strict=True):
+        for item, token, token_logprobs in zip(sampled, sampled_tokens, sampled_logprobs, strict=True):
             seq = item.seq
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             self._append_token(seq, token, token_logprobs)
-            touched[seq.request.request_id] = seq.request
+        # Every request that was to sample is reported, also one whose grammar failed.
+        touched = {item.seq.request.request_id: item.seq.request for item in sampling}
         outputs = []
         for request in touched.values():
             finished = request.is_finished
@@ -231,11 +249,15 @@ class LLMEngine:
         return outputs
 
     def _sample(
-        self, sampling: list[ScheduledSequence], model_output: ModelOutput
+        self, sampling: list[ScheduledSequence], model_output: ModelOutput, skipped_rows: Collection[int]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """A token for each item of `sampling`: the model's sampled rows less `skipped_rows`."""
         if not sampling:
             return [], []
         logits = model_output.sampled_logits()
+        if skipped_rows:
+            keep = [row for row in range(logits.shape[0]) if row not in skipped_rows]
+            logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
         if all(len(item.seq.token_ids) >= item.seq.argmax_only_from for item in sampling):
             return self.sampler.greedy(logits), [None] * len(sampling)
         rows = [
@@ -244,12 +266,27 @@ class LLMEngine:
                 item.seq.request.prompt_token_ids,
                 item.seq.output_token_ids,
                 item.seq.generator,
+                item.seq.request.constraints,
             )
             for item in sampling
         ]
-        metadata = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device)
+        masks = self.structured_output.masks([item.seq.grammar for item in sampling])
+        metadata = SamplingMetadata.build(rows, logits.shape[-1], self.eos_token_ids, logits.device, masks)
         result = self.sampler(logits, metadata)
         return result.sampled_token_ids, result.logprobs
+
+    @staticmethod
+    def _grammar_failures(sampling: list[ScheduledSequence]) -> dict[int, StructuredOutputError]:
+        """Index -> error of the items whose grammar validated but did not compile for this vocabulary
+        (rare: the spec was checked when its SamplingParams were built). Waits for unfinished compiles."""
+        failed = {}
+        for index, item in enumerate(sampling):
+            if item.seq.grammar is not None:
+                try:
+                    item.seq.grammar.matcher()
+                except StructuredOutputError as exc:
+                    failed[index] = exc
+        return failed
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], model_output: ModelOutput) -> None:
         for index, (first_row, count) in model_output.prompt_rows.items():
@@ -273,7 +310,10 @@ class LLMEngine:
         text_before = len(seq.output_text)
         if seq.detokenizer is not None:
             seq.output_text += seq.detokenizer.add_token(token)
+        grammar_ended = seq.grammar is not None and seq.grammar.accept(token)
         status = self._check_stop(seq, token, text_before)
+        if status is None and grammar_ended:
+            status = SequenceStatus.FINISHED_STOPPED  # nothing may follow: vLLM ends the request too
         if status is not None:
             if seq.detokenizer is not None and not isinstance(seq.stop_reason, str):
                 seq.output_text += seq.detokenizer.flush()

@@ -2,19 +2,26 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, in arrival order,
 each taking what it still needs (one token when decoding, a chunk of its prompt when prefilling); then
-waiting sequences are admitted first come first served. When the KV cache runs out of blocks, the newest
-running sequences are preempted: their blocks are freed and they go back to the front of the queue, to be
+waiting sequences are admitted. When the KV cache runs out of blocks, the newest running sequences are
+preempted: their blocks are freed and they go back to the front of their request's queue, to be
 recomputed later. Nothing is ever dropped.
+
+Admission is fair between requests, not first come first served by sequence: the next sequence admitted
+is one of the waiting request that has the fewest sequences running, and when the batch is full
+(`max_num_seqs`) while a request has none running, the request with the most running gives up its newest
+one. So a request of thousands of sequences (many prompts, large `n`) cannot hold back another's first
+token until all of its own have run; it keeps the rest of the batch.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from strata.config import SchedulerConfig
 from strata.engine.block_manager import BlockManager
-from strata.engine.sequence import Sequence, SequenceStatus
+from strata.engine.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass
@@ -53,6 +60,59 @@ class SchedulerStats:
     max_batch_size: int = 0  # most sequences seen in one forward pass
 
 
+class WaitingQueue:
+    """Waiting sequences, a first-in-first-out queue per request, requests in arrival order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[Request, deque[Sequence]] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for queue in self._queues.values():
+            yield from queue
+
+    def __contains__(self, seq: object) -> bool:
+        return isinstance(seq, Sequence) and seq in self._queues.get(seq.request, ())
+
+    def append(self, seq: Sequence) -> None:
+        self._queues.setdefault(seq.request, deque()).append(seq)
+        self._len += 1
+
+    def appendleft(self, seq: Sequence) -> None:
+        """A preempted sequence: first of its request's to be admitted again."""
+        self._queues.setdefault(seq.request, deque()).appendleft(seq)
+        self._len += 1
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    def requests(self) -> list[Request]:
+        return list(self._queues)
+
+    def next(self, running: Counter[Request] | None) -> Sequence:
+        """The sequence to admit next: the first of the request with the fewest `running` sequences (the
+        earliest such request), or of the earliest request when `running` is None."""
+        if running is None or len(self._queues) == 1:
+            request = next(iter(self._queues))
+        else:
+            request = min(self._queues, key=lambda r: running[r])
+        return self._queues[request][0]
+
+    def remove(self, seq: Sequence) -> None:
+        queue = self._queues[seq.request]
+        if queue[0] is seq:
+            queue.popleft()
+        else:
+            queue.remove(seq)
+        self._len -= 1
+        if not queue:
+            del self._queues[seq.request]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         assert config.max_num_batched_tokens is not None
@@ -60,7 +120,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
 
@@ -73,6 +133,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        fairness_preemptions = self._make_room_for_starved_requests()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         i = 0
@@ -92,8 +153,10 @@ class Scheduler:
                 budget -= num_tokens
                 i += 1
         # Admit new work only when nothing had to be preempted: otherwise it would take the freed blocks.
+        # Running counts per request order the admissions; one waiting request needs none.
+        running = Counter(s.request for s in self.running) if self.waiting.num_requests > 1 else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.next(running)
             self.block_manager.allocate_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_tokens = min(remaining, budget)
@@ -103,7 +166,9 @@ class Scheduler:
                 self.block_manager.free(seq)  # give the prefix back until it can really start
                 seq.reset_for_recompute()
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            if running is not None:
+                running[seq.request] += 1
             self.block_manager.record_admission(seq)
             self.block_manager.append_slots(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
@@ -111,9 +176,29 @@ class Scheduler:
             out.scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
         self.stats.num_steps += 1
-        self.stats.num_preemptions += out.num_preempted
+        self.stats.num_preemptions += out.num_preempted + fairness_preemptions
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
         return out
+
+    def _make_room_for_starved_requests(self) -> int:
+        """With the batch full, give each waiting request that has no sequence running a slot, taken from
+        the request running the most (never its last one); returns how many sequences were preempted."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return 0
+        running = Counter(seq.request for seq in self.running)
+        preempted = 0
+        for request in self.waiting.requests():
+            if running[request]:
+                continue
+            richest, count = running.most_common(1)[0]
+            if count < 2:
+                break
+            victim = next(seq for seq in reversed(self.running) if seq.request is richest)
+            self.running.remove(victim)
+            self._preempt(victim)
+            running[richest] -= 1
+            preempted += 1
+        return preempted
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -18,7 +18,9 @@ from strata.sample.sampler import plain_greedy
 
 if TYPE_CHECKING:
     from strata.engine.detokenizer import IncrementalDetokenizer
+    from strata.sample.token_constraints import TokenConstraints
     from strata.sampling_params import SamplingParams
+    from strata.structured_output import SequenceGrammar
 
 
 class SequenceStatus(Enum):
@@ -57,6 +59,7 @@ class Sequence:
         index: int,
         generator: torch.Generator | None,
         detokenizer: IncrementalDetokenizer | None,
+        grammar: SequenceGrammar | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
@@ -69,6 +72,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.detokenizer = detokenizer
+        # The structured-output matcher, advanced by each sampled token; each of n sequences has its own.
+        self.grammar = grammar
         self.output_text = ""
         self.logprobs: SampleLogprobs | None = [] if request.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
@@ -140,6 +145,8 @@ class Request:
         self.seqs: list[Sequence] = []
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.first_token_time: float | None = None
+        # allowed_token_ids, bad_words and logit_bias as token ids; set by the engine when any is given.
+        self.constraints: TokenConstraints | None = None
 
     @property
     def is_finished(self) -> bool:

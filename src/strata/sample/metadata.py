@@ -1,8 +1,9 @@
 """Batch description for one sampling step: per-row parameters gathered into device tensors.
 
 Every optional tensor is None when no row in the batch needs that stage, so the sampler can skip it.
-Penalties and the min_tokens ban are sparse (row, token) entries built from the histories, so their
-cost follows the number of history tokens rather than batch * vocabulary.
+Penalties, bans and logit biases are sparse (row, token) entries built from the histories, so their
+cost follows the number of history tokens rather than batch * vocabulary; only the masks of a grammar
+and of `allowed_token_ids` are dense (-inf/0 biases, added), and only for the rows that have them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.sample.token_constraints import TokenConstraints
 from strata.sampling_params import SamplingParams
+from strata.structured_output import GrammarMasks
 
 
 @dataclass
@@ -25,6 +28,8 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     # Per-request generator when params.seed is set (it must live on the logits' device), else None.
     generator: torch.Generator | None = None
+    # The request's allowed_token_ids, bad_words and logit_bias as token ids, when it sets any.
+    constraints: TokenConstraints | None = None
 
 
 @dataclass
@@ -58,8 +63,16 @@ class SamplingMetadata:
     # the amount to subtract: frequency_penalty * count + presence_penalty.
     output_penalty_ids: torch.Tensor | None
     output_penalty_offsets: torch.Tensor | None
-    # (row indices, token ids) to set to -inf because the row has not reached min_tokens yet.
-    min_tokens_ban: tuple[torch.Tensor, torch.Tensor] | None
+    # (row indices, token ids) to set to -inf: EOS and stop ids before min_tokens, bad words' next tokens.
+    token_ban: tuple[torch.Tensor, torch.Tensor] | None
+    # Rows with a token mask: (row indices, or None for all rows in order; float32 [rows, V], -inf for a
+    # banned token, else 0). The grammar's applies before logprobs (as vLLM's bitmask does), the mask of
+    # allowed_token_ids after.
+    grammar_mask: tuple[torch.Tensor | None, torch.Tensor] | None
+    allowed_tokens_mask: tuple[torch.Tensor | None, torch.Tensor] | None
+    # Flattened row * V + id entries and the bias to add to each.
+    logit_bias_ids: torch.Tensor | None
+    logit_bias_values: torch.Tensor | None
     # Per row: number of top logprobs to return (whole-vocabulary -1 already resolved), or None.
     num_logprobs: list[int | None]
 
@@ -70,10 +83,12 @@ class SamplingMetadata:
         vocab_size: int,
         eos_token_ids: Collection[int],
         device: torch.device,
+        grammar_masks: GrammarMasks | None = None,
     ) -> SamplingMetadata:
         """Gather the rows' parameters; one Python pass over rows, token histories only when needed.
 
         `vocab_size` is the number of real token ids; logits columns past it are padding and ignored.
+        `grammar_masks` are the -inf/0 masks of the rows that have a grammar, `vocab_size` columns wide.
         The min_tokens ban covers `eos_token_ids` even with `ignore_eos` (as vLLM: ignore_eos only
         changes when a request stops, not what may be sampled) plus the row's `stop_token_ids`.
         """
@@ -98,6 +113,10 @@ class SamplingMetadata:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         num_logprobs: list[int | None] = []
+        allowed_rows: list[int] = []
+        allowed_masks: list[torch.Tensor] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
 
         for i, row in enumerate(rows):
             p = row.params
@@ -125,6 +144,18 @@ class SamplingMetadata:
                 banned.update(t for t in p.stop_token_ids if t < vocab_size)
                 ban_rows.extend([i] * len(banned))
                 ban_ids.extend(banned)
+
+            constraints = row.constraints
+            if constraints is not None:
+                if constraints.allowed_bias is not None:
+                    allowed_rows.append(i)
+                    allowed_masks.append(constraints.allowed_bias[:vocab_size])
+                if constraints.bad_words:
+                    banned_words = constraints.banned_now(list(row.output_token_ids))
+                    ban_rows.extend([i] * len(banned_words))
+                    ban_ids.extend(banned_words)
+                bias_ids.extend(i * vocab_size + t for t in constraints.bias_ids)
+                bias_values.extend(constraints.bias_values)
 
             if p.logprobs is None:
                 num_logprobs.append(None)
@@ -168,12 +199,27 @@ class SamplingMetadata:
             output_penalty_ids = entries.to(device)
             output_penalty_offsets = offsets.to(device)
 
-        min_tokens_ban = None
+        token_ban = None
         if ban_rows:
-            min_tokens_ban = (
+            token_ban = (
                 torch.tensor(ban_rows, dtype=torch.long, device=device),
                 torch.tensor(ban_ids, dtype=torch.long, device=device),
             )
+
+        def row_masks(
+            rows_with_mask: list[int], masks: torch.Tensor
+        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+            if masks.shape[1] != vocab_size:
+                raise ValueError(
+                    f"token masks must have vocab_size={vocab_size} columns, got {masks.shape[1]}"
+                )
+            every_row = rows_with_mask == list(range(num_rows))
+            index = None if every_row else torch.tensor(rows_with_mask, dtype=torch.long, device=device)
+            return index, masks.to(device)
+
+        grammar_mask = None
+        if grammar_masks is not None:
+            grammar_mask = row_masks(grammar_masks.rows, grammar_masks.bias)
 
         return cls(
             num_rows=num_rows,
@@ -195,7 +241,15 @@ class SamplingMetadata:
             repetition_factors=repetition_factors,
             output_penalty_ids=output_penalty_ids,
             output_penalty_offsets=output_penalty_offsets,
-            min_tokens_ban=min_tokens_ban,
+            token_ban=token_ban,
+            grammar_mask=grammar_mask,
+            allowed_tokens_mask=(
+                row_masks(allowed_rows, torch.stack(allowed_masks)) if allowed_rows else None
+            ),
+            logit_bias_ids=torch.tensor(bias_ids, dtype=torch.long, device=device) if bias_ids else None,
+            logit_bias_values=(
+                torch.tensor(bias_values, dtype=torch.float32, device=device) if bias_ids else None
+            ),
             num_logprobs=num_logprobs,
         )
 

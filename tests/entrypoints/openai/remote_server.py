@@ -1,8 +1,10 @@
-"""A real `strata serve` subprocess on 127.0.0.1 for the server tests, with one torch thread."""
+"""A real `strata serve` subprocess on 127.0.0.1 for the server tests, with one torch thread, and the checks
+the tests share: the error schema, a metric's value, the offline reference text."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +13,8 @@ import time
 
 import httpx
 import openai
+
+from strata import LLM, SamplingParams
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -76,3 +80,27 @@ class RemoteServer:
         finally:
             self.output = self.process.stdout.read()  # type: ignore[union-attr]
             self.process.stdout.close()  # type: ignore[union-attr]
+
+
+def greedy(llm: LLM, prompt: str | list[int], max_tokens: int, **kwargs: object) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def metric(server: RemoteServer, name: str, **labels: str) -> float:
+    """The value of one sample in the Prometheus exposition (0 when absent)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["message"] and "pydantic" not in error["message"].lower()
+    assert not re.search(r"https?://|Traceback|input_value", error["message"])
+    return error

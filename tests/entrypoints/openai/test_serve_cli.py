@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 from strata import LLM, SamplingParams
@@ -76,5 +77,37 @@ def test_serve_a_gguf_file_to_the_openai_client(tmp_path: Path) -> None:
             temperature=0,
         )
         assert "Paris" in reply.choices[0].message.content
+        assert_logprobs_join_up(client, model.id)
     finally:
         remote.stop()
+
+
+def assert_logprobs_join_up(client: openai.OpenAI, model: str) -> None:
+    """Byte-level BPE ('Ġthere'): logprob tokens are the text pieces, leading spaces kept, so they join up to
+    the text, offsets included. A token that only opens a character (an emoji over several tokens) is
+    OpenAI's `bytes:\\xf0\\x9f`, adds no text, and the token completing the character carries it; chat
+    `bytes` are each token's own, so they join up to the UTF-8 of the text."""
+    prompt = "My favourite emoji is 😀 and my favourite city is"
+    echoed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=2, echo=True
+    ).choices[0]
+    assert echoed.text.startswith(prompt)
+    texts = [token if not token.startswith("bytes:") else "" for token in echoed.logprobs.tokens]
+    assert "".join(texts) == echoed.text
+    assert echoed.logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    assert any(token.startswith(" ") for token in texts)
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Write one sentence about Paris, with an emoji."}],
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    ).choices[0]
+    content = reply.logprobs.content
+    assert (
+        "".join(item.token for item in content if not item.token.startswith("bytes:"))
+        == reply.message.content
+    )
+    assert bytes(b for item in content for b in item.bytes) == reply.message.content.encode()
+    assert all(item.token and item.bytes for item in content)

@@ -6,7 +6,6 @@ import asyncio
 import importlib.util
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -17,24 +16,10 @@ import pytest
 
 from strata import LLM, SamplingParams
 
-from remote_server import RemoteServer
+from remote_server import RemoteServer, assert_error, greedy, metric
 from stories260k import PROMPT, PROMPT_IDS
 
 PROMPTS = ["Once upon a time", "Lily had a dog", "The sun was", "Tom and his mom"]
-
-
-def greedy(llm: LLM, prompt: str | list[int], max_tokens: int, **kwargs: object) -> str:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
-    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
-
-
-def metric(server: RemoteServer, name: str, **labels: str) -> float:
-    """The value of one sample in the Prometheus exposition (0 when absent)."""
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 # -- completions ------------------------------------------------------------------------------------------
@@ -109,8 +94,11 @@ def test_prompt_lists_token_ids_n_and_echo(server: RemoteServer, llm: LLM) -> No
         model="stories260K", prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=0
     )
     assert echoed.choices[0].text == PROMPT + greedy(llm, PROMPT, 5)
-    assert echoed.choices[0].logprobs.token_logprobs[0] is None
-    assert len(echoed.choices[0].logprobs.tokens) == 5 + 5
+    # `<s>` is not in the text, so it is not listed; the tokens join up to the text, offsets included.
+    logprobs = echoed.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 + 5 and logprobs.tokens[:2] == ["Once", " upon"]
+    assert "".join(logprobs.tokens) == echoed.choices[0].text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(9)]
     stream = client.completions.create(
         model="stories260K", prompt=PROMPT, max_tokens=5, temperature=0, echo=True, stream=True
     )
@@ -194,17 +182,29 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: RemoteServer) -> 
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts_it(server: RemoteServer) -> None:
+    """Regression: a client leaving a non-streaming request was answered (and counted) as a 500, as the
+    cancelled work was read before its cancellation had run."""
     aborted_before = metric(server, "strata:request_success_total", finished_reason="abort")
+    disconnected_before = metric(
+        server, "strata:http_requests_total", endpoint="/v1/completions", status="499"
+    )
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=LONG_REQUEST, timeout=httpx.Timeout(10, read=0.3))
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
     wait_until_idle(server)
     assert metric(server, "strata:request_success_total", finished_reason="abort") == aborted_before + 1
+    assert metric(server, "strata:http_requests_total", endpoint="/v1/completions", status="499") == (
+        disconnected_before + 1
+    )
+    assert metric(server, "strata:http_requests_total", endpoint="/v1/completions", status="500") == 0
 
 
 # -- other endpoints --------------------------------------------------------------------------------------
 def test_models_tokenize_detokenize_version_health(server: RemoteServer) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["stories260K"] and models.data[0].object == "model"
+    assert server.client().models.retrieve("stories260K").id == "stories260K"
+    assert assert_error(httpx.get(f"{server.url}/v1/models/gpt-4"), 404, "model")["code"] == "model_not_found"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
     assert tokens == {"count": 5, "max_model_len": 512, "tokens": PROMPT_IDS}
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": PROMPT_IDS[1:]}).json()
@@ -227,23 +227,17 @@ def test_metrics_cover_requests_tokens_and_latencies(server: RemoteServer) -> No
         "strata:time_to_first_token_seconds_bucket",
         "strata:inter_token_latency_seconds_bucket",
         "strata:e2e_request_latency_seconds_count",
+        "strata:num_preemptions_total",
+        "strata:prefix_cache_queries_total",
+        "strata:prefix_cache_hits_total",
     ):
         assert name in text, name
     assert metric(server, "strata:http_requests_total", endpoint="/v1/completions", status="200") >= 1
     assert metric(server, "strata:generation_tokens_total") >= 4
+    assert metric(server, "strata:prefix_cache_queries_total") == server.stats()["prefix_cache_queries"] > 0
 
 
 # -- errors -----------------------------------------------------------------------------------------------
-def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    assert error["message"] and "pydantic" not in error["message"].lower()
-    assert not re.search(r"https?://|Traceback|input_value", error["message"])
-    return error
-
-
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -266,10 +260,28 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
         ({"prompt": "hello " * 2000}, "prompt"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"prompt": "x", "logit_bias": {"50": 100}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"50": 101}}, "logit_bias"),
         ({"prompt": "x", "suffix": "end"}, "suffix"),
         ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
         ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+        # strict types: a boolean is not a number, a string not a boolean, a number not a string
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "temperature": False}, "temperature"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"prompt": "x", "echo": 1}, "echo"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": [True, False]}, "prompt"),
+        # fields Strata does not do are named, never ignored
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "response_format": {"type": "json_object", "strict": True}}, "response_format"),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options",
+        ),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt": ["x"] * 9, "n": 128}, "prompt"),
     ],
 )
 def test_invalid_completion_parameters_are_400_naming_the_parameter(
@@ -310,6 +322,13 @@ def test_huge_body_is_refused_and_the_engine_survives(server: RemoteServer, llm:
         model="stories260K", prompt=PROMPT, max_tokens=8, temperature=0
     )
     assert result.choices[0].text == greedy(llm, PROMPT, 8)
+
+
+def test_wrong_method_is_405_with_allow(server: RemoteServer) -> None:
+    response = httpx.get(f"{server.url}/v1/completions")
+    assert_error(response, 405)
+    assert response.headers["allow"] == "POST"
+    assert httpx.delete(f"{server.url}/health").headers["allow"] == "GET"
 
 
 def test_openai_client_sees_typed_errors(server: RemoteServer) -> None:

@@ -53,6 +53,8 @@ def test_chat_greedy_matches_llm_chat(server: RemoteServer, llm: LLM) -> None:
             (t.logprob for t in item.top_logprobs), reverse=True
         )
         assert item.logprob <= 0 and bytes(item.bytes).decode() == item.token
+    # the tokens are the text's pieces, leading spaces kept ('▁there' is ' there')
+    assert "".join(item.token for item in content) == choice.message.content
 
 
 def test_chat_stream_sends_the_role_first_and_the_same_text(server: RemoteServer, llm: LLM) -> None:

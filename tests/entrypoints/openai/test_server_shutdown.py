@@ -1,5 +1,5 @@
-"""SIGTERM during a stream: in-flight requests finish (or are aborted after --shutdown-timeout), new
-connections are refused, and the server exits 0."""
+"""SIGTERM during a stream: in-flight requests finish (or, after --shutdown-timeout, end with an error
+event and `[DONE]`), new connections are refused, and the server exits 0."""
 
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ def test_sigterm_finishes_in_flight_streams_and_exits_0() -> None:
         remote.stop()
 
 
-def test_sigterm_aborts_requests_that_outlive_the_shutdown_timeout() -> None:
+def test_sigterm_ends_streams_that_outlive_the_shutdown_timeout_with_an_error_and_done() -> None:
+    """Regression: a stream still running at the shutdown timeout was cut mid-stream; now its request is
+    aborted in the engine and the client gets an error event and `[DONE]`, and the server exits 0."""
     remote = RemoteServer("--shutdown-timeout", "0.2")
     try:
         body = {"prompt": PROMPT, "max_tokens": 500, "n": 16, "ignore_eos": True, "stream": True}
@@ -47,9 +49,10 @@ def test_sigterm_aborts_requests_that_outlive_the_shutdown_timeout() -> None:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             remote.process.send_signal(signal.SIGTERM)
-            with pytest.raises(httpx.RemoteProtocolError):  # cut off mid-stream
-                for _ in lines:
-                    pass
+            events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and "shut down" in error["message"]
         assert remote.process.wait(timeout=60) == 0
     finally:
         remote.stop()

@@ -1,13 +1,15 @@
 """The FastAPI app of `strata serve` and the uvicorn server that runs it.
 
 Every error leaves as OpenAI's error schema: validation errors become 400s naming the parameter (never
-pydantic's internals), unknown routes 404, and anything unexpected a 500 that does not touch the engine.
-A small ASGI guard in front of the app answers 503 while shutting down, 401 without the API key, and
-413 for oversized bodies, and counts responses by status for the metrics.
+pydantic's internals), unknown routes 404, wrong methods 405 with `Allow`, and anything unexpected a 500
+that does not touch the engine. A small ASGI guard in front of the app answers 503 while shutting down,
+401 without the API key, and 413 for oversized bodies (declared, or found so while reading a chunked
+one), and counts responses by status for the metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import secrets
@@ -15,7 +17,6 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -41,27 +42,28 @@ from strata.entrypoints.openai.protocol import (
     TokenizeResponse,
     error_body,
 )
+from strata.entrypoints.openai.server_config import ServerConfig
 from strata.entrypoints.openai.serving import OpenAIServing
 from strata.entrypoints.openai.serving_chat import OpenAIServingChat
 from strata.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
+__all__ = ["ServerConfig", "build_app", "freeze_startup_heap", "run_server"]
+
 logger = logging.getLogger("strata.server")
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
 OPEN_PATHS = frozenset({"/health"})
 
 
-@dataclass
-class ServerConfig:
-    model_path: str
-    model_names: list[str]
-    api_key: str | None = None
-    chat_template: str | None = None
-    shutting_down: bool = field(default=False, init=False)
+class BodyTooLarge(Exception):
+    """The body being read grew past the limit."""
 
 
 class GuardMiddleware:
-    """Shutdown, auth and body-size checks before any routing or parsing; status counting after."""
+    """Shutdown, auth and body-size checks before any routing or parsing; status counting after.
+
+    The body is read here, counting bytes as they arrive, and handed to the app in one piece: a chunked
+    body (no Content-Length) is refused as soon as it passes the limit, not after all of it was read.
+    """
 
     def __init__(self, app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.app = app
@@ -85,9 +87,22 @@ class GuardMiddleware:
 
         rejection = self._rejection(scope)
         try:
+            if rejection is None:
+                try:
+                    replay = await self._read_body(receive)
+                except BodyTooLarge:
+                    rejection = self._too_large()
+                else:
+                    if replay is None:  # the client left while sending: nobody to answer
+                        return
+                    receive = replay
             if rejection is not None:
                 status, message, code = rejection
-                response = JSONResponse(error_body(status, message, code=code), status_code=status)
+                # The rest of an oversized body is never read, so the connection cannot be reused.
+                headers = {"Connection": "close"} if status == 413 else None
+                response = JSONResponse(
+                    error_body(status, message, code=code), status_code=status, headers=headers
+                )
                 await response(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
@@ -110,29 +125,68 @@ class GuardMiddleware:
                     "invalid_api_key",
                 )
         length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            return 413, f"the request body must be at most {MAX_BODY_BYTES} bytes", "request_too_large"
+        if not length.isdigit() or int(length) > self.config.max_body_bytes:
+            return self._too_large()
         return None
+
+    def _too_large(self) -> tuple[int, str, str]:
+        return (
+            413,
+            f"the request body must be at most {self.config.max_body_bytes} bytes",
+            "request_too_large",
+        )
+
+    async def _read_body(self, receive: Receive) -> Receive | None:
+        """Read the whole body (at most the limit, else BodyTooLarge); return a `receive` that replays it
+        and then passes on what the client does next (a disconnect), or None if the client left."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                raise BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        first: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return first
+
+        return replay
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A short message and the top-level parameter it is about, from pydantic's first error."""
     errors = exc.errors()
-    error = errors[0] if errors else {}
+    # In a union (`prompt`: text or token ids) a value error is from the member whose type matched.
+    error = next((e for e in errors if e.get("type") == "value_error"), errors[0] if errors else {})
     if error.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     loc = [part for part in error.get("loc", ()) if part != "body"]
     if not loc or not isinstance(loc[0], str):
         return "the request body must be a JSON object with the endpoint's fields", None
-    return f"{loc[0]}: {error.get('msg', 'invalid value')}", loc[0]
+    if error.get("type") == "extra_forbidden":
+        path = ".".join(str(part) for part in loc)
+        return f"{path}: this server does not support this field", loc[0]
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{loc[0]}: {message}", loc[0]
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
     metrics = ServerMetrics(config.model_names[0])
-    serving_args = (engine, config.model_names, metrics, config.chat_template)
-    completions = OpenAIServingCompletion(*serving_args)
-    chat = OpenAIServingChat(*serving_args)
-    base = OpenAIServing(*serving_args)
+    completions = OpenAIServingCompletion(engine, config, metrics)
+    chat = OpenAIServingChat(engine, config, metrics)
+    base = OpenAIServing(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +197,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
             config.shutting_down = True
             await engine.shutdown()
 
-    app = FastAPI(title="Strata", version=__version__, lifespan=lifespan, openapi_url=None)
+    app = FastAPI(title="Strata", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -156,7 +210,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        # The exception's headers carry `Allow` on a 405.
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
@@ -182,36 +239,39 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
         """The engine's counters (forward passes, batch sizes, KV blocks): for tests and debugging."""
         return engine.stats
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=config.model_path, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        cards = [
-            ModelCard(id=name, root=config.model_path, max_model_len=engine.max_model_len)
-            for name in config.model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[model_card(name) for name in config.model_names])
+
+    # `:path`, as served names may hold slashes ("org/model").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        base.check_model(model_id)
+        return model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         base.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        if request.messages is not None:
-            ids = base.render_chat(request.messages, request.add_generation_prompt)
-        elif engine.tokenizer is None:
+        if engine.tokenizer is None:
             raise OpenAIError(400, "this server has no tokenizer", "prompt")
+        if request.messages is not None:
+            _, ids = await base.render_chat(request, request.messages)
         else:
-            ids = list(engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+            assert request.prompt is not None
+            ids = await base.encode_text(request.prompt, request.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         base.check_model(request.model)
-        ids = request.tokens
         if engine.tokenizer is None:
             raise OpenAIError(400, "this server has no tokenizer", "tokens")
-        if any(not 0 <= token < engine.vocab_size for token in ids):
-            raise OpenAIError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(ids))
+        return DetokenizeResponse(prompt=await base.decode_tokens(request.tokens))
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
@@ -224,12 +284,37 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
     return GuardMiddleware(app, config, metrics)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, plus: flag the app as shutting down on the first signal, and say when it is ready."""
+# After the shutdown timeout has ended the engine's requests, the seconds their responses get to finish
+# (an error event and `[DONE]` for streams) before uvicorn cuts the connections.
+SHUTDOWN_GRACE_S = 5.0
 
-    def __init__(self, uvicorn_config: uvicorn.Config, server_config: ServerConfig) -> None:
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: flag the app as shutting down on the first signal, end the engine's requests at the
+    shutdown timeout (so their clients get an error, not a cut connection), and say when it is ready."""
+
+    def __init__(
+        self,
+        uvicorn_config: uvicorn.Config,
+        server_config: ServerConfig,
+        engine: AsyncLLMEngine,
+        shutdown_timeout: float,
+    ) -> None:
         super().__init__(uvicorn_config)
         self.server_config = server_config
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._engine_stop: asyncio.Task[None] | None = None
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        def stop_engine() -> None:
+            self._engine_stop = asyncio.ensure_future(self.engine.shutdown())
+
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, stop_engine)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.server_config.shutting_down = True
@@ -263,7 +348,8 @@ def freeze_startup_heap() -> int:
 def run_server(
     engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, shutdown_timeout: float
 ) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted."""
+    """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted
+    (a stream ends with an error event and `[DONE]`, a waiting client gets a 503)."""
     app = build_app(engine, config)
     freeze_startup_heap()
     uvicorn_config = uvicorn.Config(
@@ -272,10 +358,10 @@ def run_server(
         port=port,
         log_level=logging.getLogger().getEffectiveLevel(),
         access_log=False,
-        timeout_graceful_shutdown=max(shutdown_timeout, 0.1),
+        timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S,
     )
     # uvicorn re-raises the signal it caught into the previous handler after shutting down; a no-op
     # handler there makes a graceful shutdown exit 0 instead of dying of the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    _Server(uvicorn_config, config).run()
+    _Server(uvicorn_config, config, engine, shutdown_timeout).run()

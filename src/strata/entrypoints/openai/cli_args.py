@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from strata.entrypoints.openai.server_config import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from strata.entrypoints.cli import add_engine_arguments
@@ -30,12 +32,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file (or template text)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     parser.add_argument(
+        "--max-sequences-per-request",
+        type=_positive_int,
+        default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        help="most sequences one request may ask for (its prompts x n); more is a 400",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
         help="seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted",
     )
     parser.set_defaults(func=run_serve)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
 
 
 def _read_chat_template(value: str | None) -> str | None:
@@ -70,7 +85,11 @@ def run_serve(args: argparse.Namespace) -> int:
     model_path = model if model is not None else default_model()
     names = args.served_model_name or [model if model is not None else Path(model_path).name]
     config = ServerConfig(
-        model_path=model_path, model_names=names, api_key=args.api_key, chat_template=chat_template
+        model_path=model_path,
+        model_names=names,
+        api_key=args.api_key,
+        chat_template=chat_template,
+        max_sequences_per_request=args.max_sequences_per_request,
     )
     run_server(AsyncLLMEngine(llm.engine), config, args.host, args.port, args.shutdown_timeout)
     return 0

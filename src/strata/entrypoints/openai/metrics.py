@@ -7,13 +7,40 @@ layer as outputs reach the event loop, which is what a client sees.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from strata.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# The engine's own counters, exported as Prometheus counters under vLLM's names: stats key -> name, help.
+_ENGINE_COUNTERS = {
+    "num_preemptions": (
+        "strata:num_preemptions",
+        "Sequences preempted (their KV blocks freed, to recompute).",
+    ),
+    "prefix_cache_queries": ("strata:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("strata:prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+
+
+class _EngineCounters(Collector):
+    """Reads the engine's monotonic counters from its latest stats snapshot at each scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for key, (name, documentation) in _ENGINE_COUNTERS.items():
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], self.stats.get(key, 0))
+            yield family
 
 
 class ServerMetrics:
@@ -53,6 +80,8 @@ class ServerMetrics:
         self.ttft = histogram("strata:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("strata:inter_token_latency_seconds", "Time between a request's outputs.")
         self.e2e = histogram("strata:e2e_request_latency_seconds", "Arrival to finish of a request.")
+        self._engine_counters = _EngineCounters(model_name)
+        self.registry.register(self._engine_counters)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(**self._labels).observe(seconds)
@@ -77,4 +106,5 @@ class ServerMetrics:
         self.num_waiting.labels(**self._labels).set(stats["num_waiting"])
         self.kv_cache_usage.labels(**self._labels).set(stats["kv_cache_usage"])
         self.forward_passes.labels(**self._labels).set(stats["num_forward_passes"])
+        self._engine_counters.stats = stats
         return generate_latest(self.registry)

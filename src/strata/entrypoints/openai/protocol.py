@@ -1,25 +1,50 @@
 """Request and response bodies of the OpenAI API, field for field, plus vLLM's sampling extensions.
 
-Requests ignore unknown fields (clients such as LangChain send extras) but validate every field they
-know; responses are built from these models so their shape cannot drift from OpenAI's schema.
+Requests are strict: a field Strata does not know is a 400 naming it (never silently ignored), and types
+are not coerced (`true` is not a number, `"yes"` is not a boolean). Every string must be valid Unicode
+(no lone surrogates, which no tokenizer can encode). Responses are built from these models so their shape
+cannot drift from OpenAI's schema.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from strata.sampling_params import SamplingParams
+from strata.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 # OpenAI's own limits: at most 128 choices per request and 20 top logprobs per token.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 
 
+def _valid_unicode(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate (U+{ord(value[exc.start]):04X}) at character {exc.start}, which is not "
+            "valid Unicode text"
+        ) from None
+    return value
+
+
+# A string of a request: JSON's "\ud800" escapes can smuggle in lone surrogates, which are not text.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -32,19 +57,45 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    # vLLM's extension: usage in every chunk, not only in a final one.
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(RequestModel):
+    """`response_format.json_schema`: the schema the output must match. Strata always enforces it, so
+    `strict` is accepted either way."""
+
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[Text, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's older per-field constraints -> the `StructuredOutputsParams` field each sets.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions; `None` means the engine's default."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -55,21 +106,75 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Text | None = None
+    # token id (a decimal string, as JSON keys are) -> bias added to its logit
+    logit_bias: dict[Text, float] | None = None
+    # vLLM's extensions
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: bool = False
+    add_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
+    # Output constraints: OpenAI's response_format, vLLM's structured_outputs and guided_* (one at most).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[Text, Any] | None = None
+    guided_json: dict[Text, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def unsupported_fields(self) -> list[str]:
-        """OpenAI fields that would change the output but that the engine cannot honour yet."""
-        return ["logit_bias"] if self.logit_bias else []
+        """Fields whose value would change the output but that the engine cannot honour yet."""
+        return []
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    def output_constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """(request field, `StructuredOutputsParams` fields) of the request's output constraint, or None."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            # OpenAI's JSON modes come without free whitespace between tokens: a small model can otherwise
+            # spend its whole budget on newlines and leave the JSON unfinished.
+            schema = self.response_format.json_schema
+            if self.response_format.type == "json_object":
+                found.append(("response_format", {"json_object": True, "disable_any_whitespace": True}))
+            elif schema is None or schema.json_schema is None:
+                raise SamplingParamsError("response_format of type json_schema needs json_schema.schema")
+            else:
+                found.append(
+                    ("response_format", {"json": schema.json_schema, "disable_any_whitespace": True})
+                )
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        found.extend(
+            (name, {kind: value})
+            for name, kind in GUIDED_FIELDS.items()
+            if (value := getattr(self, name)) is not None
+        )
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise SamplingParamsError(f"{found[0][0]} is one of several output constraints ({names})")
+        return found[0] if found else None
+
     def to_sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
-        """Build validated SamplingParams (raises SamplingParamsError naming the field)."""
+        """Build validated SamplingParams (raises SamplingParamsError naming the field). A constraint's
+        grammar is compiled here, so callers run this off the event loop."""
+        structured = None
+        if (constraint := self.output_constraint()) is not None:
+            field, spec = constraint
+            try:
+                structured = StructuredOutputsParams.from_dict(spec)
+            except SamplingParamsError as exc:
+                raise SamplingParamsError(f"{field} is invalid: {exc}") from exc
         optional = {
             name: value
             for name in (
@@ -95,16 +200,20 @@ class SamplingRequest(RequestModel):
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured,
             **optional,
         )
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     # Candidates generated per prompt, of which the n most likely are returned; as many as n is plain sampling.
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
@@ -124,39 +233,52 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(RequestModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessageParam(RequestModel):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(RequestModel):
+    """How messages are rendered: the chat template and vLLM's per-request controls of it."""
+
+    add_generation_prompt: bool = True
+    # Leave the last (assistant) message open, so the model continues it; excludes add_generation_prompt.
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
+    # The template writes the special tokens it wants; the tokenizer adds none of its own by default.
+    add_special_tokens: bool = False
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    # Put the last message's content in front of the reply when that message is the assistant's.
+    echo: bool = False
+    tools: list[dict[Text, Any]] | None = None
 
     def unsupported_fields(self) -> list[str]:
         return [*super().unsupported_fields(), *(["tools"] if self.tools else [])]
 
 
-class TokenizeRequest(RequestModel):
-    model: str | None = None
-    prompt: str | None = None
+class TokenizeRequest(ChatTemplateFields):
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessageParam] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    # Default: true for a prompt, false for messages (whose template writes its own special tokens).
+    add_special_tokens: bool | None = None  # type: ignore[assignment]
 
 
 class DetokenizeRequest(RequestModel):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 
@@ -186,10 +308,22 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -243,6 +377,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatChunkChoice(BaseModel):

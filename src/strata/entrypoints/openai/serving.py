@@ -4,11 +4,14 @@ loop with its metrics, streaming deltas, and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
@@ -16,18 +19,28 @@ from starlette.requests import Request as HTTPRequest
 from strata import __version__
 from strata.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from strata.engine.llm_engine import PromptError, PromptType
+from strata.entrypoints.openai.logprob_text import PieceDecoder, TokenPiece, TokenTexts
 from strata.entrypoints.openai.metrics import ServerMetrics
 from strata.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
     ChatMessageParam,
     OpenAIError,
+    PromptLogprob,
     SamplingRequest,
+    TokenizeRequest,
 )
-from strata.outputs import CompletionOutput, Logprob, RequestOutput
+from strata.entrypoints.openai.server_config import ServerConfig
+from strata.outputs import CompletionOutput, RequestOutput
 from strata.sampling_params import SamplingParams, SamplingParamsError
 
 SYSTEM_FINGERPRINT = f"strata-{__version__}"
 # JSON has no -inf; OpenAI-compatible servers report impossible tokens with this floor instead.
 LOGPROB_FLOOR = -9999.0
+
+# A text longer than this many characters per context token is first tokenized only in part, to refuse it
+# early if even its start is too long; a cut through the text changes the tokens near the cut only.
+_HEAD_CHARS_PER_TOKEN = 16
+_CUT_SLACK_TOKENS = 64
 
 T = TypeVar("T")
 
@@ -40,8 +53,11 @@ def clamp_logprob(value: float) -> float:
     return max(value, LOGPROB_FLOOR)
 
 
-def token_text(logprob: Logprob, token_id: int) -> str:
-    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+def _chat_template_parameters(tokenizer: Any) -> frozenset[str]:
+    """The named parameters of the tokenizer's `apply_chat_template`: request fields, so
+    `chat_template_kwargs` (variables for the template) may not set them."""
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
 def sse(payload: BaseModel) -> str:
@@ -126,7 +142,9 @@ async def until_disconnected(raw_request: HTTPRequest, work: Awaitable[T]) -> T:
     finally:
         watcher.cancel()
         if not work_task.done():
+            # A cancelled task is only done once its cleanup (aborting the engine requests) has run.
             work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
     if work_task.cancelled():
         raise OpenAIError(499, "the client disconnected")
     return work_task.result()
@@ -135,17 +153,15 @@ async def until_disconnected(raw_request: HTTPRequest, work: Awaitable[T]) -> T:
 class OpenAIServing:
     """Base of the completion and chat handlers."""
 
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        model_names: list[str],
-        metrics: ServerMetrics,
-        chat_template: str | None,
-    ) -> None:
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.model_names = model_names
+        self.config = config
         self.metrics = metrics
-        self.chat_template = chat_template
+        self.token_texts = TokenTexts(engine.tokenizer) if engine.tokenizer is not None else None
+
+    @property
+    def model_names(self) -> list[str]:
+        return self.config.model_names
 
     @property
     def model_name(self) -> str:
@@ -155,53 +171,165 @@ class OpenAIServing:
         if name is not None and name not in self.model_names:
             raise OpenAIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
-    def check_request(self, request: SamplingRequest) -> None:
-        """What every generation request must pass before any work: model, server state, field combinations."""
+    def check_request(self, request: SamplingRequest, num_prompts: int = 1) -> None:
+        """What every generation request must pass before any work: model, server state, field
+        combinations, and the cap on its number of sequences."""
         self.check_model(request.model)
         if not self.engine.is_running:
             raise OpenAIError(503, "the server is shutting down", code="service_unavailable")
         if request.stream_options is not None and not request.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if request.prompt_logprobs is not None and request.stream:
+            raise OpenAIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
         unsupported = request.unsupported_fields()
         if unsupported:
             raise OpenAIError(400, f"{unsupported[0]} is not supported by this server", unsupported[0])
+        limit = self.config.max_sequences_per_request
+        if num_prompts * request.n > limit:
+            raise OpenAIError(
+                400,
+                f"this request asks for {num_prompts * request.n} sequences ({num_prompts} prompts x "
+                f"n={request.n}), but this server allows at most {limit} per request "
+                "(strata serve --max-sequences-per-request); send fewer prompts or a smaller n",
+                "n" if num_prompts == 1 else "prompt",
+            )
 
-    def tokenize(self, prompt: PromptType, param: str) -> tuple[str | None, list[int]]:
+    # -- tokenization, off the event loop --------------------------------------------------------------
+    async def tokenize(
+        self, prompt: str | list[int], request: SamplingRequest, param: str = "prompt"
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a validated prompt, tokenized in the engine's tokenizer pool so a
+        large prompt never holds up the event loop (and with it every other client)."""
+        return await self.engine.run_tokenizer(
+            self._tokenize_now, prompt, request.add_special_tokens, request.truncate_prompt_tokens, param
+        )
+
+    def _tokenize_now(
+        self, prompt: str | list[int], add_special_tokens: bool, truncate: int | None, param: str
+    ) -> tuple[str | None, list[int]]:
         try:
-            return self.engine.tokenize_prompt(prompt)
+            if isinstance(prompt, str):
+                ids = self._encode(prompt, add_special_tokens, bounded=truncate is None)
+                # Once truncated, the text no longer matches the ids: echo decodes the ids instead.
+                text = prompt if truncate is None or len(ids) <= truncate else None
+                checked: PromptType = {
+                    "prompt_token_ids": ids[-truncate:] if truncate else ids,
+                    "prompt": text,
+                }
+            else:
+                checked = prompt[-truncate:] if truncate else prompt
+            return self.engine.tokenize_prompt(checked)
         except PromptError as exc:
             code = "context_length_exceeded" if "max_model_len" in str(exc) else None
             raise OpenAIError(400, str(exc), param, code) from exc
 
-    def render_chat(self, messages: list[ChatMessageParam], add_generation_prompt: bool) -> list[int]:
-        """Token ids of a conversation through the chat template (the server's, else the tokenizer's)."""
+    async def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`/tokenize` of a text: its token ids, even past the context, but refused from the tokens of its
+        start when it is far past it."""
+
+        def encode() -> list[int]:
+            try:
+                return self._encode(text, add_special_tokens, bounded=True)
+            except PromptError as exc:
+                raise OpenAIError(400, str(exc), "prompt", "context_length_exceeded") from exc
+
+        return await self.engine.run_tokenizer(encode)
+
+    async def decode_tokens(self, token_ids: list[int]) -> str:
+        """`/detokenize`: checked and decoded in the tokenizer pool, as a list can hold millions of ids."""
+        tokenizer, vocab_size = self.engine.tokenizer, self.engine.vocab_size
+        assert tokenizer is not None
+
+        def decode() -> str:
+            if any(not 0 <= token < vocab_size for token in token_ids):
+                raise OpenAIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
+            return tokenizer.decode(token_ids)
+
+        return await self.engine.run_tokenizer(decode)
+
+    def _encode(self, text: str, add_special_tokens: bool, bounded: bool) -> list[int]:
+        """Token ids of `text`. A text far longer than the context is refused from the tokens of its start
+        (`bounded`): tokenizing tens of megabytes would take minutes and gigabytes only to say no."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise PromptError("this server has no tokenizer: give prompts as token ids")
+        limit = self.engine.max_model_len
+        head_chars = _HEAD_CHARS_PER_TOKEN * limit
+        if bounded and len(text) > head_chars:
+            head = tokenizer.encode(text[:head_chars], add_special_tokens=add_special_tokens)
+            # Tokens of a prefix and of the whole text differ only around the cut, by a few tokens.
+            if len(head) >= limit + _CUT_SLACK_TOKENS:
+                raise PromptError(
+                    f"the prompt is more than {len(head) - _CUT_SLACK_TOKENS} tokens long (counted over its "
+                    f"first {head_chars} of {len(text)} characters), but max_model_len={limit} leaves no "
+                    "room to generate; shorten the prompt or set truncate_prompt_tokens"
+                )
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(
+        self, request: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessageParam]
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of a conversation through the chat template (the request's, else the
+        server's, else the tokenizer's), rendered in the tokenizer pool."""
+        return await self.engine.run_tokenizer(self._render_chat_now, request, messages)
+
+    def _render_chat_now(
+        self, request: ChatCompletionRequest | TokenizeRequest, messages: list[ChatMessageParam]
+    ) -> tuple[str, list[int]]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise OpenAIError(
                 400, "this server has no tokenizer, so it cannot render chat messages", "messages"
             )
-        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        template = (
+            request.chat_template or self.config.chat_template or getattr(tokenizer, "chat_template", None)
+        )
         if not template:
             raise OpenAIError(
                 400,
                 "this model has no chat template, so chat completions are unavailable; restart the server "
-                "with --chat-template FILE (a Jinja template), or use /v1/completions",
+                "with --chat-template FILE (a Jinja template), send chat_template, or use /v1/completions",
                 "messages",
+            )
+        if request.continue_final_message and request.add_generation_prompt:
+            raise OpenAIError(
+                400,
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the last message",
+                "continue_final_message",
+            )
+        extra = dict(request.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _chat_template_parameters(tokenizer))
+        if reserved:
+            raise OpenAIError(
+                400,
+                f"chat_template_kwargs may not set {reserved[0]!r}: it is a request field",
+                "chat_template_kwargs",
             )
         conversation = [
             {"role": message.role, "content": self._message_text(message)} for message in messages
         ]
         try:
-            ids = tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+                **extra,
             )
         except Exception as exc:  # jinja errors, including raise_exception() in the template
             raise OpenAIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
-        return list(ids)
+        if not isinstance(text, str):
+            raise OpenAIError(400, "the chat template did not render to text", "chat_template")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise OpenAIError(
+                400, "the rendered chat holds a lone surrogate: it is not text", "messages"
+            ) from None
+        ids = list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens is True))
+        return text, ids
 
     @staticmethod
     def _message_text(message: ChatMessageParam) -> str:
@@ -216,10 +344,10 @@ class OpenAIServing:
             parts.append(part.text)
         return "\n".join(parts)
 
-    def prepare(
+    async def prepare(
         self,
         request: SamplingRequest,
-        prompt: PromptType,
+        prompt: str | list[int],
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
@@ -227,7 +355,27 @@ class OpenAIServing:
         max_tokens_param: str = "max_tokens",
     ) -> PreparedPrompt:
         """Tokenise and validate one prompt with its sampling parameters (400 naming the field if bad)."""
-        text, ids = self.tokenize(prompt, param)
+        text, ids = await self.tokenize(prompt, request, param)
+        return await self.prepare_tokens(
+            request, text, ids, max_tokens, logprobs, prompt_logprobs, max_tokens_param
+        )
+
+    async def prepare_tokens(self, *args: Any, **kwargs: Any) -> PreparedPrompt:
+        """`_prepare_tokens_now` in the tokenizer pool: an output constraint's grammar compiles there, off
+        the event loop."""
+        return await self.engine.run_tokenizer(functools.partial(self._prepare_tokens_now, *args, **kwargs))
+
+    def _prepare_tokens_now(
+        self,
+        request: SamplingRequest,
+        text: str | None,
+        ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        max_tokens_param: str,
+    ) -> PreparedPrompt:
+        """Size and validate the sampling parameters of an already tokenized prompt."""
         room = self.engine.max_model_len - len(ids)
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(
@@ -242,12 +390,58 @@ class OpenAIServing:
             params = request.to_sampling_params(
                 max_tokens if max_tokens is not None else room, logprobs, prompt_logprobs
             )
+            params.check_token_ids(self.engine.vocab_size)
         except SamplingParamsError as exc:
-            name = str(exc).split(" ", 1)[0]
+            # The message starts with the field, possibly with a key: "logit_bias[5] must be ...".
+            name = re.split(r"[ \[.]", str(exc), maxsplit=1)[0]
             field = max_tokens_param if name == "max_tokens" else name
             raise OpenAIError(400, str(exc).replace(name, field, 1), field) from exc
         return PreparedPrompt(text, ids, params)
 
+    # -- logprob token strings ---------------------------------------------------------------------------
+    def piece_decoder(self, skip_special_tokens: bool, at_start: bool = False) -> PieceDecoder | None:
+        return self.token_texts.decoder(skip_special_tokens, at_start) if self.token_texts else None
+
+    def candidate_text(self, token_id: int, as_ids: bool) -> str:
+        """A top-logprob candidate's string: `token_id:N` on request, else its own text."""
+        if as_ids or self.token_texts is None:
+            return f"token_id:{token_id}"
+        return self.token_texts.standalone(token_id)
+
+    def pieces(
+        self, decoder: PieceDecoder | None, token_ids: list[int], final: bool
+    ) -> list[TokenPiece | None]:
+        """The listed pieces of `token_ids` (None for skipped special tokens); without a tokenizer each
+        token is listed by id, with no text."""
+        if decoder is None:
+            return [TokenPiece(token_id, "", b"") for token_id in token_ids]
+        return decoder.feed(token_ids, final)
+
+    def prompt_logprobs(
+        self, output: RequestOutput, num: int | None, as_ids: bool
+    ) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, its own logprob and the `num` most likely."""
+        if num is None or output.prompt_logprobs is None:
+            return None
+        result: list[dict[int, PromptLogprob] | None] = []
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            result.append(
+                {
+                    tid: PromptLogprob(
+                        logprob=clamp_logprob(lp.logprob),
+                        rank=lp.rank,
+                        decoded_token=self.candidate_text(tid, as_ids),
+                    )
+                    for tid, lp in entry.items()
+                    if tid == token_id or (lp.rank is not None and lp.rank <= num)
+                }
+            )
+        return result
+
+    # -- generation -----------------------------------------------------------------------------------
     async def generate(self, prompt: PreparedPrompt, request_id: str) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, observed for the latency and token metrics."""
         start = time.monotonic()

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
+from strata.entrypoints.openai.logprob_text import PieceDecoder
 from strata.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -28,7 +29,6 @@ from strata.entrypoints.openai.serving import (
     clamp_logprob,
     random_id,
     sse,
-    token_text,
 )
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -40,28 +40,31 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-        ids = self.render_chat(request.messages, request.add_generation_prompt)
+        _, rendered_ids = await self.render_chat(request, request.messages)
+        _, ids = await self.tokenize(rendered_ids, request, "messages")
         # max_completion_tokens replaced max_tokens in OpenAI's API; both are accepted.
         use_new = request.max_completion_tokens is not None
-        prepared = self.prepare(
+        prepared = await self.prepare_tokens(
             request,
-            {"prompt_token_ids": ids},
+            None,
+            ids,
             request.max_completion_tokens if use_new else request.max_tokens,
             (request.top_logprobs or 0) if request.logprobs else None,
-            param="messages",
+            request.prompt_logprobs,
             max_tokens_param="max_completion_tokens" if use_new else "max_tokens",
         )
         request_id = random_id("chatcmpl")
         model = request.model or self.model_name
+        echo = self._echo_text(request)
         if request.stream:
-            events = self._stream(request, prepared, request_id, model)
+            events = self._stream(request, prepared, request_id, model, echo)
             return StreamingResponse(self.event_stream(events), media_type="text/event-stream")
         [output] = await self.final_outputs(raw_request, [prepared], request_id)
         choices = [
             ChatChoice(
                 index=completion.index,
-                message=ChatMessage(content=completion.text),
-                logprobs=self._logprobs(request, completion, 0),
+                message=ChatMessage(content=echo + completion.text),
+                logprobs=self._logprobs(request, self._decoder(request), completion, 0, final=True),
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
             )
@@ -73,14 +76,29 @@ class OpenAIServingChat(OpenAIServing):
             system_fingerprint=SYSTEM_FINGERPRINT,
             choices=choices,
             usage=self._usage(prepared, output),
+            prompt_logprobs=self.prompt_logprobs(
+                output, request.prompt_logprobs, request.return_tokens_as_token_ids
+            ),
         )
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        """With `echo`, the reply starts with the last message's content when that message is the
+        assistant's own (the one being continued), as in vLLM; otherwise there is nothing to echo."""
+        last = request.messages[-1]
+        if not request.echo or last.role != "assistant":
+            return ""
+        return OpenAIServing._message_text(last)
+
+    def _decoder(self, request: ChatCompletionRequest) -> PieceDecoder | None:
+        return self.piece_decoder(request.skip_special_tokens) if request.logprobs else None
 
     @staticmethod
     def _usage(prepared: PreparedPrompt, output: RequestOutput) -> UsageInfo:
         return UsageInfo.of(len(prepared.token_ids), sum(len(c.token_ids) for c in output.outputs))
 
     async def _stream(
-        self, request: ChatCompletionRequest, prepared: PreparedPrompt, request_id: str, model: str
+        self, request: ChatCompletionRequest, prepared: PreparedPrompt, request_id: str, model: str, echo: str
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             return sse(
@@ -93,10 +111,13 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
 
-        # The role comes first, in a chunk of its own, as OpenAI sends it.
+        # The role comes first, in a chunk of its own, as OpenAI sends it; then the echoed text, if any.
         for index in range(request.n):
             yield chunk([ChatChunkChoice(index=index, delta={"role": "assistant", "content": ""})])
+            if echo:
+                yield chunk([ChatChunkChoice(index=index, delta={"content": echo})])
         states = [StreamState(self.holdback(prepared.params)) for _ in range(request.n)]
+        decoders = [self._decoder(request) for _ in range(request.n)]
         last: RequestOutput | None = None
         async for _, output in self.generate_all([prepared], request_id):
             last = output
@@ -106,43 +127,57 @@ class OpenAIServingChat(OpenAIServing):
                 if step is None:
                     continue
                 text, first_token, done = step
+                decoder = decoders[completion.index]
                 choices.append(
                     ChatChunkChoice(
                         index=completion.index,
                         delta={"content": text} if text else {},
-                        logprobs=self._logprobs(request, completion, first_token),
+                        logprobs=self._logprobs(request, decoder, completion, first_token, final=done),
                         finish_reason=completion.finish_reason if done else None,
                         stop_reason=completion.stop_reason if done else None,
                     )
                 )
             if choices:
-                yield chunk(choices)
+                yield chunk(choices, self._usage(prepared, output) if request.continuous_usage else None)
         if request.include_usage and last is not None:
             yield chunk([], self._usage(prepared, last))
 
-    @staticmethod
     def _logprobs(
-        request: ChatCompletionRequest, completion: CompletionOutput, first_token: int
+        self,
+        request: ChatCompletionRequest,
+        decoder: PieceDecoder | None,
+        completion: CompletionOutput,
+        first_token: int,
+        final: bool,
     ) -> ChatLogprobs | None:
+        """The logprobs of the tokens from `first_token` on; `decoder` moves past them."""
         if not request.logprobs or completion.logprobs is None:
             return None
         num_top = request.top_logprobs or 0
-
-        def top(token_id: int, logprob: Logprob) -> TopLogprob:
-            text = token_text(logprob, token_id)
-            return TopLogprob(token=text, logprob=clamp_logprob(logprob.logprob), bytes=list(text.encode()))
-
+        as_ids = request.return_tokens_as_token_ids
+        pieces = self.pieces(decoder, completion.token_ids[first_token:], final)
         content = []
-        for token_id, entry in zip(
-            completion.token_ids[first_token:], completion.logprobs[first_token:], strict=True
-        ):
+        for piece, entry in zip(pieces, completion.logprobs[first_token:], strict=True):
+            if piece is None:  # a special token the text leaves out
+                continue
+            token = f"token_id:{piece.token_id}" if as_ids else piece.display
+            chosen = TopLogprob(
+                token=token, logprob=clamp_logprob(entry[piece.token_id].logprob), bytes=list(piece.raw)
+            )
             ranked = sorted(
                 (lp.rank, tid) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top
             )
-            chosen = top(token_id, entry[token_id])
-            content.append(
-                ChatLogprobToken(
-                    **chosen.model_dump(), top_logprobs=[top(tid, entry[tid]) for _, tid in ranked]
-                )
-            )
+            top = [
+                chosen if tid == piece.token_id else self._candidate(tid, entry[tid], as_ids)
+                for _, tid in ranked
+            ]
+            content.append(ChatLogprobToken(**chosen.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
+
+    def _candidate(self, token_id: int, logprob: Logprob, as_ids: bool) -> TopLogprob:
+        raw = self.token_texts.token_bytes(token_id) if self.token_texts is not None else None
+        return TopLogprob(
+            token=self.candidate_text(token_id, as_ids),
+            logprob=clamp_logprob(logprob.logprob),
+            bytes=list(raw) if raw is not None else None,
+        )
