@@ -203,6 +203,7 @@ class GGUFExperts(PluggableLayer):
     hidden], each token's top-k expert ids and routing weights [tokens, k]. Each projection is a stack of the
     file's blocks, `{gate,up,down}_qweight` uint8 [experts, rows, row_bytes], in its own type (K-quant mixes
     give the down stack another type); `activation` is the gate's, by its transformers name ("silu").
+    `dtype` is taken as every layer's constructor takes it; the output has the hidden states' dtype.
     """
 
     def __init__(
@@ -220,7 +221,6 @@ class GGUFExperts(PluggableLayer):
         self.intermediate_size = intermediate_size
         self.qtypes = [int(q) for q in qtypes]
         self.activation = activation
-        self.dtype = dtype or torch.get_default_dtype()
         columns = (hidden_size, hidden_size, intermediate_size)
         rows = (intermediate_size, intermediate_size, hidden_size)
         for name, qtype, n, k in zip(EXPERT_PROJECTIONS, self.qtypes, rows, columns, strict=True):
