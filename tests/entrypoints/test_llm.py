@@ -50,6 +50,18 @@ def test_logprobs_match_transformers(llm: LLM, bundled_model_dir: Path) -> None:
             for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
         )
     )
+    # Each token's decoded_token is its own text, leading space kept: they join up to the output text.
+    assert (
+        "".join(
+            entry[token].decoded_token
+            for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+        )
+        == completion.text
+    )
+    assert any(
+        entry[token].decoded_token.startswith(" ")
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+    )
     # Prompt logprobs: None for the first token, then the logprob of each actual next prompt token.
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(PROMPT_IDS)
@@ -150,6 +162,15 @@ def test_chat_uses_the_template_or_says_there_is_none(llm: LLM) -> None:
         [messages, [{"role": "user", "content": "Lily"}]], params, use_tqdm=False, chat_template=template
     )
     assert len(both) == 2 and both[0].outputs[0].token_ids == GREEDY_55
+
+
+def test_chat_describes_tools_through_the_template(llm: LLM) -> None:
+    """`tools` reach the template, which writes them into the prompt."""
+    template = "{% for tool in tools %}{{ tool.function.name }}. {% endfor %}{{ messages[0]['content'] }}"
+    tools = [{"type": "function", "function": {"name": "Lily", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.chat([{"role": "user", "content": PROMPT}], params, False, template, tools=tools)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(f"Lily. {PROMPT}", add_special_tokens=False)
 
 
 def test_engine_seed_makes_unseeded_sampling_reproducible() -> None:

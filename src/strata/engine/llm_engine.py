@@ -21,6 +21,7 @@ from strata.engine.block_manager import BlockManager
 from strata.engine.detokenizer import IncrementalDetokenizer
 from strata.engine.scheduler import ScheduledSequence, Scheduler
 from strata.engine.sequence import Request, Sequence, SequenceStatus
+from strata.engine.token_text import TokenTexts
 from strata.gguf_file import find_gguf
 from strata.gguf_file import load_tokenizer as load_gguf_tokenizer
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
@@ -78,7 +79,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._request_counter = itertools.count()
-        self._token_text_cache: dict[int, str] = {}
+        self.token_texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None
         self.num_forward_passes = 0
         self.num_forward_tokens = 0
         logger.info("engine ready: %s, max_model_len=%d", model_config.model, self.max_model_len)
@@ -350,14 +351,9 @@ class LLMEngine:
 
     # -- outputs --------------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str | None:
-        """The text a token contributes, with its leading space (as vLLM shows it in logprobs)."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(token_id)])
-            self._token_text_cache[token_id] = text
-        return text
+        """A token's text on its own, leading space kept (as vLLM shows it in logprobs), or its escaped
+        bytes when it is only part of a character."""
+        return self.token_texts.standalone(token_id) if self.token_texts is not None else None
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         result = {entry.token_id: Logprob(entry.logprob, entry.rank, self.token_text(entry.token_id))}

@@ -168,8 +168,10 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: list[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template."""
+        """Generate replies to one conversation or a list of them, through the tokenizer's chat template;
+        `tools` (OpenAI's function definitions) go to the template, which describes them to the model."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was created with skip_tokenizer_init=True")
@@ -186,6 +188,7 @@ class LLM:
                         conversation,
                         chat_template=template,
                         add_generation_prompt=add_generation_prompt,
+                        tools=tools,
                         tokenize=True,
                         return_dict=False,
                     )

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from strata.entrypoints.openai.server_config import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
+# The parsers of `tool_calls.TOOL_CALL_PARSERS`, named here so `strata --help` need not import the server.
+TOOL_CALL_PARSER_NAMES = ("hermes", "json")
+
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from strata.entrypoints.cli import add_engine_arguments
@@ -36,6 +39,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
         help="most sequences one request may ask for (its prompts x n); more is a 400",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSER_NAMES,
+        default=None,
+        help="how tool calls are found in a reply when tool_choice is auto: hermes (<tool_call>{...}</tool_call>) "
+        "or json (the reply is a JSON call or list of calls); without it, tool_choice auto is a 400",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone enables tool_choice auto",
     )
     parser.add_argument(
         "--shutdown-timeout",
@@ -68,6 +83,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     chat_template = _read_chat_template(args.chat_template)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or json)")
 
     import torch
 
@@ -90,6 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         chat_template=chat_template,
         max_sequences_per_request=args.max_sequences_per_request,
+        tool_call_parser=args.tool_call_parser,
     )
     run_server(AsyncLLMEngine(llm.engine), config, args.host, args.port, args.shutdown_timeout)
     return 0

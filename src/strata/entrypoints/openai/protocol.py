@@ -8,6 +8,7 @@ cannot drift from OpenAI's schema.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -237,10 +238,59 @@ class ContentPart(RequestModel):
     text: Text | None = None
 
 
+class FunctionCallParam(RequestModel):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCallParam(RequestModel):
+    """A call the assistant made earlier in the conversation, sent back with the history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(RequestModel):
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    # A tool message answers the call with this id.
+    tool_call_id: Text | None = None
+
+
+def _function_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
+        raise ValueError(f"must be 1 to 64 letters, digits, underscores or dashes, got {name!r}")
+    return name
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[Text, AfterValidator(_function_name)]
+    description: Text | None = None
+    # The JSON schema of the arguments; none means a function without parameters.
+    parameters: dict[Text, Any] | None = None
+    # The arguments of a forced call always match `parameters`; `strict` is accepted either way.
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.function.parameters or {"type": "object", "properties": {}}
+
+
+class NamedFunction(RequestModel):
+    name: Text
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatTemplateFields(RequestModel):
@@ -263,10 +313,50 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # Put the last message's content in front of the reply when that message is the assistant's.
     echo: bool = False
-    tools: list[dict[Text, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    # Default: "auto" with tools, "none" without.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def unsupported_fields(self) -> list[str]:
-        return [*super().unsupported_fields(), *(["tools"] if self.tools else [])]
+    def output_constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """A forced tool call (`required` or a named function) constrains the output like
+        `response_format` does, and excludes it."""
+        found = super().output_constraint()
+        forced = self.forced_tool_calls()
+        if forced is None:
+            return found
+        if found is not None:
+            raise SamplingParamsError(
+                f"tool_choice forces a tool call, so {found[0]} cannot also constrain the output"
+            )
+        return "tool_choice", {"json": forced, "disable_any_whitespace": True}
+
+    def forced_tool_calls(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match when a call is forced: a named function's parameters
+        (the output is its arguments), or for `required` a list of `{"name", "arguments"}` calls of the
+        listed tools (one at most without `parallel_tool_calls`); None when nothing is forced."""
+        tools = self.tools or []
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            for tool in tools:
+                if tool.function.name == name:
+                    return tool.parameters
+            raise SamplingParamsError(f"tool_choice names {name!r}, which is not in tools")
+        if self.tool_choice != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "arguments": tool.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return schema
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -355,10 +445,22 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -382,8 +484,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    # OpenAI sends {"role": "assistant", "content": ""} first, then {"content": ...}, and {} at the end.
-    delta: dict[str, str]
+    # OpenAI sends {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls":
+    # [...]}, and {} at the end.
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -18,5 +18,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    # How tool calls are found in free output (`tool_choice: "auto"`); None refuses "auto".
+    tool_call_parser: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     shutting_down: bool = field(default=False, init=False)

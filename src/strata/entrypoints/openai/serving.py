@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import re
 import time
 import uuid
@@ -19,7 +20,7 @@ from starlette.requests import Request as HTTPRequest
 from strata import __version__
 from strata.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from strata.engine.llm_engine import PromptError, PromptType
-from strata.entrypoints.openai.logprob_text import PieceDecoder, TokenPiece, TokenTexts
+from strata.engine.token_text import PieceDecoder, TokenPiece, TokenTexts
 from strata.entrypoints.openai.metrics import ServerMetrics
 from strata.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -58,6 +59,14 @@ def _chat_template_parameters(tokenizer: Any) -> frozenset[str]:
     `chat_template_kwargs` (variables for the template) may not set them."""
     parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     return frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
+
+
+def _json_object(text: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def sse(payload: BaseModel) -> str:
@@ -306,9 +315,10 @@ class OpenAIServing:
                 f"chat_template_kwargs may not set {reserved[0]!r}: it is a request field",
                 "chat_template_kwargs",
             )
-        conversation = [
-            {"role": message.role, "content": self._message_text(message)} for message in messages
-        ]
+        conversation = [self._template_message(message) for message in messages]
+        tools = getattr(request, "tools", None)
+        if tools and getattr(request, "tool_choice", None) != "none":
+            extra["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -330,6 +340,29 @@ class OpenAIServing:
             ) from None
         ids = list(tokenizer.encode(text, add_special_tokens=request.add_special_tokens is True))
         return text, ids
+
+    @classmethod
+    def _template_message(cls, message: ChatMessageParam) -> dict[str, Any]:
+        """A message as chat templates take it: HF templates read a call's arguments as a mapping, so
+        arguments sent back as JSON text are decoded (kept as text when they are not a JSON object)."""
+        entry: dict[str, Any] = {"role": message.role, "content": cls._message_text(message)}
+        if message.name is not None:
+            entry["name"] = message.name
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_object(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        return entry
 
     @staticmethod
     def _message_text(message: ChatMessageParam) -> str:

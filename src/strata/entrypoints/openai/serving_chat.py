@@ -1,13 +1,15 @@
-"""`POST /v1/chat/completions`: messages through the chat template, `n` choices, logprobs, streaming."""
+"""`POST /v1/chat/completions`: messages through the chat template, `n` choices, logprobs, tool calls,
+streaming."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
-from strata.entrypoints.openai.logprob_text import PieceDecoder
+from strata.engine.token_text import PieceDecoder
 from strata.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -30,6 +32,7 @@ from strata.entrypoints.openai.serving import (
     random_id,
     sse,
 )
+from strata.entrypoints.openai.tool_calls import ToolCalling
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -40,6 +43,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        tools = ToolCalling.for_request(request, self.config.tool_call_parser)
         _, rendered_ids = await self.render_chat(request, request.messages)
         _, ids = await self.tokenize(rendered_ids, request, "messages")
         # max_completion_tokens replaced max_tokens in OpenAI's API; both are accepted.
@@ -57,19 +61,10 @@ class OpenAIServingChat(OpenAIServing):
         model = request.model or self.model_name
         echo = self._echo_text(request)
         if request.stream:
-            events = self._stream(request, prepared, request_id, model, echo)
+            events = self._stream(request, prepared, request_id, model, echo, tools)
             return StreamingResponse(self.event_stream(events), media_type="text/event-stream")
         [output] = await self.final_outputs(raw_request, [prepared], request_id)
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=ChatMessage(content=echo + completion.text),
-                logprobs=self._logprobs(request, self._decoder(request), completion, 0, final=True),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
-            )
-            for completion in output.outputs
-        ]
+        choices = [self._choice(request, completion, echo, tools) for completion in output.outputs]
         return ChatCompletionResponse(
             id=request_id,
             model=model,
@@ -79,6 +74,29 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=self.prompt_logprobs(
                 output, request.prompt_logprobs, request.return_tokens_as_token_ids
             ),
+        )
+
+    def _choice(
+        self,
+        request: ChatCompletionRequest,
+        completion: CompletionOutput,
+        echo: str,
+        tools: ToolCalling | None,
+    ) -> ChatChoice:
+        message = ChatMessage(content=echo + completion.text)
+        finish_reason = completion.finish_reason
+        if tools is not None:
+            parsed = tools.parse(completion.text, final=True)
+            content = echo + (parsed.content or "")
+            calls = [call.tool_call() for call in parsed.calls]
+            message = ChatMessage(content=content or None, tool_calls=calls)
+            finish_reason = tools.finish_reason(parsed.calls, finish_reason)
+        return ChatChoice(
+            index=completion.index,
+            message=message,
+            logprobs=self._logprobs(request, self._decoder(request), completion, 0, final=True),
+            finish_reason=finish_reason,
+            stop_reason=completion.stop_reason,
         )
 
     @staticmethod
@@ -98,7 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         return UsageInfo.of(len(prepared.token_ids), sum(len(c.token_ids) for c in output.outputs))
 
     async def _stream(
-        self, request: ChatCompletionRequest, prepared: PreparedPrompt, request_id: str, model: str, echo: str
+        self,
+        request: ChatCompletionRequest,
+        prepared: PreparedPrompt,
+        request_id: str,
+        model: str,
+        echo: str,
+        tools: ToolCalling | None,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             return sse(
@@ -118,6 +142,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([ChatChunkChoice(index=index, delta={"content": echo})])
         states = [StreamState(self.holdback(prepared.params)) for _ in range(request.n)]
         decoders = [self._decoder(request) for _ in range(request.n)]
+        tool_streams = [tools.streamer() if tools is not None else None for _ in range(request.n)]
         last: RequestOutput | None = None
         async for _, output in self.generate_all([prepared], request_id):
             last = output
@@ -128,12 +153,18 @@ class OpenAIServingChat(OpenAIServing):
                     continue
                 text, first_token, done = step
                 decoder = decoders[completion.index]
+                finish_reason = completion.finish_reason if done else None
+                delta: dict[str, Any] = {"content": text} if text else {}
+                if (tool_stream := tool_streams[completion.index]) is not None:
+                    delta = tool_stream.feed(text, final=done)
+                    if done:
+                        finish_reason = tool_stream.calling.finish_reason(tool_stream.calls, finish_reason)
                 choices.append(
                     ChatChunkChoice(
                         index=completion.index,
-                        delta={"content": text} if text else {},
+                        delta=delta,
                         logprobs=self._logprobs(request, decoder, completion, first_token, final=done),
-                        finish_reason=completion.finish_reason if done else None,
+                        finish_reason=finish_reason,
                         stop_reason=completion.stop_reason if done else None,
                     )
                 )

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
-from strata.entrypoints.openai.logprob_text import PieceDecoder, TokenPiece
+from strata.engine.token_text import PieceDecoder, TokenPiece
 from strata.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from strata.engine.llm_engine import load_tokenizer
+from strata.engine.token_text import TokenTexts
 from strata.entrypoints.llm import default_model
-from strata.entrypoints.openai.logprob_text import TokenTexts
 
 from gguf_models import smollm2_gguf
 
