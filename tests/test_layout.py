@@ -40,6 +40,10 @@ FORBIDDEN = {
         "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.hw_agnostic",
         "strata.models", "strata.platforms", "strata.worker",
     ],
+    "strata.distributed": [
+        "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.hw_agnostic",
+        "strata.models", "strata.platforms", "strata.sample", "strata.worker",
+    ],
     "strata.models": ["strata.engine", "strata.entrypoints", "strata.sample", "strata.worker"],
     "strata.worker": ["strata.engine", "strata.entrypoints", "strata.sample"],
     "strata.engine": ["strata.entrypoints"],

@@ -409,6 +409,30 @@ class CompilationConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many processes one engine runs on. With `tensor_parallel_size` N, N ranks each hold 1/N of the
+    sharded weights and of the KV cache (the model's own TP plan says what is sharded); rank 0 schedules
+    and samples. The ranks are processes the engine spawns on this machine, or those `torchrun` started
+    (`distributed_init_method` "env://", its variables naming rank, world size and the store)."""
+
+    tensor_parallel_size: int = 1
+    distributed_init_method: str | None = None
+    # Seconds a collective may wait for a rank before the engine fails naming it.
+    distributed_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.distributed_timeout, int | float) or self.distributed_timeout <= 0:
+            raise ConfigError(
+                f"distributed_timeout must be a positive number, got {self.distributed_timeout!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine runs with. `device` names the platform ("cpu", "cuda:1", or a plugin's), which
     `platform` holds once checked; plugins load first, so their platforms can be named."""
@@ -418,6 +442,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     layer_config: LayerConfig = field(default_factory=LayerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     # None takes STRATA_ADAPTIVE_THREADS (on): the platform's thread policy follows measured step times.
     adaptive_threads: bool | None = None

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from strata.engine.llm_engine import LLMEngine, PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
+from strata.worker.tensor_parallel import RankFailedError
 
 logger = logging.getLogger("strata.async_engine")
 
@@ -57,6 +58,10 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Set when the engine failed for good (a tensor-parallel rank died); `on_failure` is then called
+        # on the event loop.
+        self.failure: RankFailedError | None = None
+        self.on_failure: Callable[[], None] | None = None
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="strata-tokenizer")
         # Written by the engine thread after every step, read anywhere: a snapshot, never the live engine.
         self.stats: dict[str, Any] = engine.stats()
@@ -78,6 +83,7 @@ class AsyncLLMEngine:
         self._inbox.put(("stop", None))
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.engine.shutdown()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         # A request queued just as the thread stopped was never added: fail it too.
         for deliveries in self._queues.values():
@@ -157,6 +163,10 @@ class AsyncLLMEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except RankFailedError as exc:  # the engine cannot go on: fail everything and stop
+                    logger.error("the engine failed: %s", exc)
+                    self._fail(exc)
+                    return
                 except Exception as exc:
                     logger.exception("engine step failed; failing its requests")
                     for request_id in list(engine.requests):
@@ -165,6 +175,20 @@ class AsyncLLMEngine:
             self.stats = engine.stats()
             if outputs or failures:
                 self._deliver_threadsafe(outputs, failures)
+
+    def _fail(self, exc: RankFailedError) -> None:
+        """The engine broke for good: every request ends with EngineDeadError, `failure` says why, and
+        `on_failure` (the server's exit) runs on the event loop."""
+        self.failure = exc
+        self._stopping = True
+        failures: dict[str, BaseException] = {}
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            failures[request_id] = EngineDeadError(f"the engine failed: {exc}")
+        self.stats = self.engine.stats()
+        self._deliver_threadsafe([], failures)
+        if self.on_failure is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_failure)
 
     def _stop_all(self) -> None:
         failures: dict[str, BaseException] = {}

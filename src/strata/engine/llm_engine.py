@@ -36,6 +36,7 @@ from strata.sample import (
 from strata.sampling_params import SamplingParams, SamplingParamsError
 from strata.structured_output import StructuredOutputError, StructuredOutputManager
 from strata.worker.model_runner import ModelOutput, ModelRunner
+from strata.worker.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger("strata.engine")
 
@@ -67,7 +68,8 @@ class LLMEngine:
         model_config = config.model_config
         self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-        self.runner = ModelRunner(config)
+        parallel = config.parallel_config.tensor_parallel_size > 1
+        self.runner = TensorParallelRunner(config) if parallel else ModelRunner(config)
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         cache = config.cache_config
@@ -401,6 +403,11 @@ class LLMEngine:
             "kv_cache_usage": self.block_manager.usage,
             "num_kv_blocks": self.block_manager.num_blocks,
         }
+
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); a one-process engine has none."""
+        if isinstance(self.runner, TensorParallelRunner):
+            self.runner.shutdown()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         return fn(self.runner.model)

@@ -65,6 +65,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch.compile the model forward, piecewise (default: STRATA_COMPILE, off)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="processes the model is sharded over, each with its share of the cores (default: 1)",
+    )
     add_layer_arguments(parser)
 
 
@@ -83,6 +90,7 @@ def llm_from_args(args: argparse.Namespace, model: str | None, **options: Any) -
         quantization=args.quantization,
         tokenizer=args.tokenizer,
         gguf_dequantize=args.gguf_dequantize,
+        tensor_parallel_size=args.tensor_parallel_size,
         **layer_config_kwargs(args),
         **options,
     )
@@ -111,19 +119,22 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     engine = llm_from_args(args, args.model).engine
-    request = engine.add_request(args.prompt, params)
-    out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
-    printed = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request.request_id:
-                text = output.outputs[0].text
-                out.write(text[printed:])
-                out.flush()
-                printed = len(text)
-    out.write("\n")
+    try:
+        request = engine.add_request(args.prompt, params)
+        out = sys.stdout
+        out.write(args.prompt)
+        out.flush()
+        printed = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request.request_id:
+                    text = output.outputs[0].text
+                    out.write(text[printed:])
+                    out.flush()
+                    printed = len(text)
+        out.write("\n")
+    finally:
+        engine.shutdown()
     return 0
 
 

@@ -17,6 +17,7 @@ from strata.config import (
     EngineConfig,
     LayerConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from strata.custom_op import describe_layers
@@ -88,6 +89,7 @@ class LLM:
         quantization: str | None = None,
         gguf_dequantize: bool = False,
         adaptive_threads: bool | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         model_config = ModelConfig(
             model=model if model is not None else default_model(),
@@ -123,6 +125,7 @@ class LLM:
                     fp32_matmul_precision=fp32_matmul_precision,
                 ),
                 compilation_config=_compilation_config(compile, compilation_config),
+                parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
                 adaptive_threads=adaptive_threads,
             )
         )
@@ -198,8 +201,13 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stop the engine's other processes (its tensor-parallel ranks); the LLM cannot generate after."""
+        self.engine.shutdown()
+
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
-        """Call `fn` on the underlying `torch.nn.Module` and return its result."""
+        """Call `fn` on the underlying `torch.nn.Module` (rank 0's shard, with tensor parallelism) and
+        return its result."""
         return self.engine.apply_model(fn)
 
     def layer_providers(self) -> list[dict[str, str]]:

@@ -55,6 +55,8 @@ class Platform:
     layer_modules: ClassVar[Sequence[str]] = ()
     # Import path of the attention backend class (see `strata.attention.backend.AttentionBackend`).
     attention_backend_class: ClassVar[str] = REFERENCE_ATTENTION_BACKEND
+    # The torch.distributed backend of the process groups of ranks on this platform.
+    distributed_backend: ClassVar[str] = "gloo"
 
     def is_available(self) -> bool:
         """Whether this machine can run the platform (drivers, devices)."""

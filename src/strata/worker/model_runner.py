@@ -69,6 +69,24 @@ class ModelOutput:
         return self.logits.index_select(0, rows)
 
 
+@dataclass
+class StepPlan:
+    """One step's inputs as plain lists: every scheduled token flattened (ids, positions, cache slots),
+    each sequence's block table row, length and query start, and the rows whose logits are kept."""
+
+    max_blocks: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    block_rows: list[int] = field(default_factory=list)  # [sequences, max_blocks], zero-padded
+    seq_lens: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    max_query_len: int = 0
+    rows: list[int] = field(default_factory=list)  # flattened rows whose logits are computed
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_rows: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
 class StagingBuffer:
     """A reused 1-D host tensor for one per-step input, with its views by shape. Filling it through its numpy
     view and returning a view made at an earlier step is several times cheaper than a fresh
@@ -107,7 +125,7 @@ class StagingBuffer:
 @dataclass
 class StepStaging:
     """The host buffers one step's inputs are staged in. A step's tensors are views of them, so the runner
-    holds no tensor of a step past the next one's `_prepare` (the engine runs one step at a time)."""
+    holds no tensor of a step past the next one's `_stage` (the engine runs one step at a time)."""
 
     input_ids: StagingBuffer = field(default_factory=lambda: StagingBuffer(torch.int64))
     positions: StagingBuffer = field(default_factory=lambda: StagingBuffer(torch.int64))
@@ -172,6 +190,12 @@ class ModelRunner:
         affordable = int(free * _DEFAULT_FREE_MEMORY_FRACTION) // per_block
         return max(min_blocks, min(wanted, affordable))
 
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Reallocate the (still empty) cache with `num_blocks` blocks: what every rank agreed on."""
+        if num_blocks != self.num_blocks:
+            self.num_blocks = num_blocks
+            self.kv_caches = self._allocate_kv_caches()
+
     def _allocate_kv_caches(self) -> dict[str, torch.Tensor]:
         dtype = self.kv_cache_dtype
         caches = {
@@ -199,76 +223,79 @@ class ModelRunner:
         return caches
 
     # -- one step -------------------------------------------------------------------------------------
-    def _prepare(
-        self, scheduled: Sequence[ScheduledWork]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Built as Python lists and staged into reused host buffers: per-step tensor arithmetic on a handful
-        # of ints costs more in op dispatch than the lists do (the slot of position p is its block's first
-        # slot plus p's offset in the block).
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        block_rows: list[int] = []
+    def plan(self, scheduled: Sequence[ScheduledWork]) -> StepPlan:
+        """A step's inputs as plain lists (what tensor-parallel ranks receive from rank 0).
+
+        Python lists, staged into reused host buffers by `run`: per-step tensor arithmetic on a handful of
+        ints costs more in op dispatch than the lists do (the slot of position p is its block's first slot
+        plus p's offset in the block)."""
+        plan = StepPlan(max_blocks=max(len(s.seq.block_table) for s in scheduled))
         size = self.block_size
-        for item in scheduled:
+        for i, item in enumerate(scheduled):
             seq, start, end = item.seq, item.start, item.start + item.num_tokens
             table = seq.block_table
+            first = plan.query_start_loc[-1]
             if end - start == 1:  # a decode row: no slices, ranges or generators
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // size] * size + start % size)
+                plan.input_ids.append(seq.token_ids[start])
+                plan.positions.append(start)
+                plan.slots.append(table[start // size] * size + start % size)
             else:
-                input_ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                slots.extend(table[p // size] * size + p % size for p in range(start, end))
-            query_start_loc.append(end - start + query_start_loc[-1])
-            seq_lens.append(end)
-            block_rows.extend(table)
-            if len(table) < max_blocks:
-                block_rows.extend([0] * (max_blocks - len(table)))
+                plan.input_ids.extend(seq.token_ids[start:end])
+                plan.positions.extend(range(start, end))
+                plan.slots.extend(table[p // size] * size + p % size for p in range(start, end))
+            plan.query_start_loc.append(end - start + first)
+            plan.seq_lens.append(end)
+            plan.block_rows.extend(table)
+            if len(table) < plan.max_blocks:
+                plan.block_rows.extend([0] * (plan.max_blocks - len(table)))
+            plan.max_query_len = max(plan.max_query_len, item.num_tokens)
+            if seq.needs_prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                # Position p predicts prompt token p + 1: every prompt position but the last one has a target.
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                plan.prompt_rows[i] = (len(plan.rows), count)
+                plan.rows.extend(range(first, first + count))
+            if item.samples:
+                plan.sample_rows.append(len(plan.rows))
+                plan.rows.append(first + item.num_tokens - 1)
+        if not plan.rows:  # a step of prefill chunks only: the cache is filled, no logits are needed
+            plan.rows = [0]
+        return plan
+
+    def _stage(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, rows to keep, attention metadata) of a plan, as the model's device sees them."""
         staging = self._staging
+        num_seqs = len(plan.seq_lens)
         metadata = AttentionMetadata(
-            slot_mapping=self._on_device(staging.slots.fill(slots)),
-            block_tables=self._on_device(staging.block_tables.fill(block_rows, (len(scheduled), max_blocks))),
-            seq_lens=self._on_device(staging.seq_lens.fill(seq_lens)),
-            query_start_loc=self._on_device(staging.query_start_loc.fill(query_start_loc)),
-            seq_lens_host=seq_lens,
-            query_start_loc_host=query_start_loc,
-            max_query_len=max(s.num_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._on_device(staging.slots.fill(plan.slots)),
+            block_tables=self._on_device(
+                staging.block_tables.fill(plan.block_rows, (num_seqs, plan.max_blocks))
+            ),
+            seq_lens=self._on_device(staging.seq_lens.fill(plan.seq_lens)),
+            query_start_loc=self._on_device(staging.query_start_loc.fill(plan.query_start_loc)),
+            seq_lens_host=plan.seq_lens,
+            query_start_loc_host=plan.query_start_loc,
+            max_query_len=plan.max_query_len,
+            max_seq_len=max(plan.seq_lens),
             block_size=self.block_size,
         )
         # HF's [batch 1, tokens] layout
-        input_ids_t = self._on_device(staging.input_ids.fill(input_ids, (1, len(input_ids))))
-        return input_ids_t, self._on_device(staging.positions.fill(positions, (1, len(positions)))), metadata
+        num_tokens = len(plan.input_ids)
+        input_ids = self._on_device(staging.input_ids.fill(plan.input_ids, (1, num_tokens)))
+        positions = self._on_device(staging.positions.fill(plan.positions, (1, num_tokens)))
+        return input_ids, positions, self._on_device(staging.keep.fill(plan.rows)), metadata
 
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         """A staged host tensor as the model's device sees it."""
         return self.platform.to_device(host, self.device)
 
-    @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
+        return self.run(self.plan(scheduled))
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> ModelOutput:
+        """The forward of one planned step: logits of the rows the plan keeps."""
         start = time.perf_counter()
-        input_ids, positions, metadata = self._prepare(scheduled)
-        rows: list[int] = []
-        sample_rows: list[int] = []
-        prompt_rows: dict[int, tuple[int, int]] = {}
-        for i, item in enumerate(scheduled):
-            first, seq = metadata.query_start_loc_host[i], item.seq
-            if seq.needs_prompt_logprobs and item.start < seq.num_prompt_tokens - 1:
-                # Position p predicts prompt token p + 1: every prompt position but the last one has a target.
-                count = min(item.start + item.num_tokens, seq.num_prompt_tokens - 1) - item.start
-                prompt_rows[i] = (len(rows), count)
-                rows.extend(range(first, first + count))
-            if item.samples:
-                sample_rows.append(len(rows))
-                rows.append(first + item.num_tokens - 1)
-        if not rows:  # a step of prefill chunks only: the cache is filled, no logits are needed
-            rows = [0]
-        keep = self._on_device(self._staging.keep.fill(rows))
+        input_ids, positions, keep, metadata = self._stage(plan)
         policy = self.thread_policy
         threads = policy.enter() if policy is not None else None
         try:
@@ -283,5 +310,5 @@ class ModelRunner:
             if policy is not None:
                 policy.exit(threads)
         if policy is not None:
-            policy.observe((len(scheduled), input_ids.shape[1]), time.perf_counter() - start)
-        return ModelOutput(logits=logits, sample_rows=sample_rows, prompt_rows=prompt_rows)
+            policy.observe((len(plan.seq_lens), input_ids.shape[1]), time.perf_counter() - start)
+        return ModelOutput(logits=logits, sample_rows=plan.sample_rows, prompt_rows=plan.prompt_rows)

@@ -305,6 +305,12 @@ class _Server(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self._engine_stop: asyncio.Task[None] | None = None
+        # An engine that failed for good (a dead tensor-parallel rank) stops the server; it exits non-zero.
+        engine.on_failure = self.stop_after_failure
+
+    def stop_after_failure(self) -> None:
+        self.server_config.shutting_down = True
+        self.should_exit = True
 
     async def shutdown(self, sockets: Any = None) -> None:
         def stop_engine() -> None:
@@ -349,7 +355,8 @@ def run_server(
     engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, shutdown_timeout: float
 ) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted
-    (a stream ends with an error event and `[DONE]`, a waiting client gets a 503)."""
+    (a stream ends with an error event and `[DONE]`, a waiting client gets a 503). An engine that fails
+    for good stops it too (`engine.failure` then says why)."""
     app = build_app(engine, config)
     freeze_startup_heap()
     uvicorn_config = uvicorn.Config(

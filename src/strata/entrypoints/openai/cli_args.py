@@ -6,6 +6,7 @@ Kept free of heavy imports so `strata --help` stays fast; torch, the engine and 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from strata.entrypoints.openai.server_config import DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -109,5 +110,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         tool_call_parser=args.tool_call_parser,
     )
-    run_server(AsyncLLMEngine(llm.engine), config, args.host, args.port, args.shutdown_timeout)
+    engine = AsyncLLMEngine(llm.engine)
+    run_server(engine, config, args.host, args.port, args.shutdown_timeout)
+    if engine.failure is not None:
+        # Non-zero, so a supervisor restarts the server.
+        print(
+            f"strata: error: the server stopped because the engine failed: {engine.failure}", file=sys.stderr
+        )
+        return 1
     return 0

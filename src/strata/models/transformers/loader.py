@@ -35,6 +35,7 @@ except ImportError:
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import RegisteredLayer, describe_layers, summarize_layers
+from strata.distributed.parallel_state import tp_rank, tp_world_size
 from strata.gguf_file import load_config as load_gguf_config
 from strata.hw_agnostic.layers import Int8Linear
 from strata.models.transformers.attention import (
@@ -60,6 +61,7 @@ from strata.models.transformers.quantization import (
     dequantize_groups,
     quantize_linears,
 )
+from strata.models.transformers.tensor_parallel import TensorParallelSharding
 from strata.platforms import Platform
 from strata.plugins import load_plugins
 
@@ -121,6 +123,13 @@ def build_model(
             )
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
+        sharding = None
+        if tp_world_size() > 1:
+            if model_config.gguf_file is not None:
+                raise ConfigError(
+                    "GGUF files do not shard over tensor-parallel ranks yet: use tensor_parallel_size=1"
+                )
+            sharding = TensorParallelSharding(model, tp_rank(), tp_world_size())
         gguf = None
         if model_config.gguf_file is not None:
             gguf = GGUFCheckpoint(model_config.gguf_file, model, model_config.gguf_dequantize)
@@ -135,13 +144,19 @@ def build_model(
         raise ConfigError(
             f"{type(model).__name__} is not a causal language model with decoder attention layers Strata can drive"
         )
+    if sharding is not None:
+        specs = sharding.local_attention_specs(specs)
     if gguf is not None:
         preloaded = gguf.load_kept(model)
         tensors, source = gguf.dense_tensors(), str(gguf.path)
     else:
         preloaded, folder = set(), Path(model_config.model)
         tensors, source = _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))), str(folder)
+    if sharding is not None:
+        tensors = ((name, sharding.slice_tensor(name, tensor)) for name, tensor in tensors)
     load_weights(model, tensors, source, model_config.torch_dtype, weight_mapping, preloaded)
+    if sharding is not None:
+        sharding.install_collectives(model)
     for module in model.modules():
         if isinstance(module, RegisteredLayer):
             module.process_weights_after_loading()

@@ -10,6 +10,7 @@ from strata.platforms.interface import Platform
 
 class CudaPlatform(Platform):
     name = "cuda"
+    distributed_backend = "nccl"
     device_type = "cuda"
     forward_method = "forward_cuda"
     layer_modules = ("strata.platforms.cuda.layers",)

@@ -1,0 +1,64 @@
+"""The collectives of tensor-parallel layers, as Strata custom ops: eager forwards call them as they are,
+and torch.compile keeps each as one opaque node of the graph (Inductor cannot lower collectives over a
+token count it only knows at run time), so a sharded layer still compiles once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strata.distributed.parallel_state import tp_group, tp_world_size
+
+
+@torch.library.custom_op("strata::tp_all_reduce", mutates_args=())
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    dist.all_reduce(out, group=tp_group())
+    return out
+
+
+@_all_reduce.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("strata::tp_all_gather", mutates_args=())
+def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(tp_world_size())]
+    dist.all_gather(parts, x.contiguous(), group=tp_group())
+    return torch.cat(parts, dim=dim)
+
+
+@_all_gather.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= tp_world_size()
+    return x.new_empty(shape)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the tensor-parallel ranks (x itself on one rank)."""
+    return x if tp_world_size() == 1 else _all_reduce(x)
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' `x` side by side along `dim`, in rank order."""
+    return x if tp_world_size() == 1 else _all_gather(x, dim % x.dim())
+
+
+def broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """`obj` from rank `src` on every rank (pickled: for a step's small inputs and control messages)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, group=tp_group())
+    return holder[0]
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of the ranks' `value`s (what every rank can afford)."""
+    if tp_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp_group())
+    return int(tensor.item())

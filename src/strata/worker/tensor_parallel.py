@@ -1,0 +1,164 @@
+"""A tensor-parallel engine's ranks: rank 0 runs in the engine's process, the others in processes it spawns.
+
+Every rank builds the model sharded for itself (`models.transformers.tensor_parallel`) and its share of
+the KV cache. Rank 0 schedules and samples: each step it plans the inputs (plain lists), broadcasts the
+plan over the process group, and all ranks run the same forward, meeting in the sharded layers'
+collectives; rank 0 keeps the logits. A rank that fails to build reports why before the engine starts,
+so the error names it; at shutdown rank 0 broadcasts `None` and the others exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+import torch
+
+from strata.config import ConfigError, EngineConfig
+from strata.distributed.communication import broadcast_object, min_over_ranks
+from strata.distributed.parallel_state import free_local_init_method, init_distributed
+from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork
+
+logger = logging.getLogger("strata.worker.tensor_parallel")
+
+# How often rank 0 looks at the other ranks while it waits for them to build their shards.
+_POLL_SECONDS = 0.1
+
+
+class RankFailedError(RuntimeError):
+    """A rank died or stopped answering: the sharded model is incomplete and the engine cannot go on."""
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: spawns ranks 1..N-1 on this machine, builds its own shard, and sends each step's
+    plan to the other ranks before running it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel_config
+        self.world_size = world = parallel.tensor_parallel_size
+        init_method = parallel.distributed_init_method or free_local_init_method()
+        # Each rank takes its share of the cores.
+        threads = max(1, torch.get_num_threads() // world)
+        context = multiprocessing.get_context("spawn")
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._reports: list[Connection] = []
+        self._running = self._failed = False
+        for rank in range(1, world):
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(
+                target=run_rank,
+                args=(config, rank, init_method, threads, sender),
+                name=f"strata-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            sender.close()
+            self._processes.append(process)
+            self._reports.append(receiver)
+        torch.set_num_threads(threads)
+        try:
+            init_distributed(
+                config.platform.distributed_backend, init_method, 0, world, parallel.distributed_timeout
+            )
+            super().__init__(config)
+            self._wait_for_ranks(parallel.distributed_timeout)
+            agree_on_kv_cache(self)
+        except BaseException:
+            self._failed = True
+            self._stop_processes()
+            raise
+        self._running = True
+        logger.info("tensor parallel: %d ranks, %d threads each", world, threads)
+
+    def _wait_for_ranks(self, timeout: float) -> None:
+        """Until every other rank has built its shard; the first that failed or died is an error naming it."""
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self._reports, start=1))
+        while pending:
+            for rank, report in list(pending.items()):
+                if report.poll():
+                    status, detail = report.recv()
+                    if status != "ready":
+                        raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                    del pending[rank]
+                elif not self._processes[rank - 1].is_alive():
+                    code = self._processes[rank - 1].exitcode
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code} while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"tensor-parallel ranks {sorted(pending)} did not start within {timeout} s"
+                )
+            time.sleep(_POLL_SECONDS)
+
+    def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
+        if not self._running:
+            raise RankFailedError("the tensor-parallel ranks are stopped")
+        plan = self.plan(scheduled)
+        try:
+            broadcast_object(plan)
+            return self.run(plan)
+        except Exception as exc:  # a collective failed: name the rank that died, or say one hung
+            self._running, self._failed = False, True
+            raise RankFailedError(self._failure(exc)) from exc
+
+    def _failure(self, exc: Exception) -> str:
+        for rank, process in enumerate(self._processes, start=1):
+            process.join(timeout=1)  # a rank that just died may still be exiting
+            if not process.is_alive():
+                return f"tensor-parallel rank {rank} died (exit code {process.exitcode}) during a step"
+        return (
+            "a tensor-parallel collective failed with every rank still running (one of them hung, or the "
+            f"process group broke): {exc}"
+        )
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to exit and wait for them (kill those that cannot be told)."""
+        if self._running:
+            self._running = False
+            try:
+                broadcast_object(None)
+            except RuntimeError:
+                logger.warning("could not reach every tensor-parallel rank to stop it")
+        self._stop_processes()
+
+    def _stop_processes(self) -> None:
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._processes.clear()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def agree_on_kv_cache(runner: ModelRunner) -> None:
+    """Every rank takes the smallest block count any rank can afford, so block ids mean the same cache
+    slots on all of them."""
+    runner.resize_kv_cache(min_over_ranks(runner.num_blocks))
+
+
+def run_rank(config: EngineConfig, rank: int, init_method: str, threads: int, report: Connection) -> None:
+    """A spawned rank's life: join the group, build the shard, then run each plan rank 0 broadcasts until
+    it broadcasts None."""
+    torch.set_num_threads(threads)
+    parallel = config.parallel_config
+    init_distributed(
+        config.platform.distributed_backend, init_method, rank, parallel.tensor_parallel_size,
+        parallel.distributed_timeout,
+    )  # fmt: skip
+    try:
+        runner = ModelRunner(config)
+    except Exception as exc:
+        report.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from exc
+    report.send(("ready", None))
+    report.close()
+    agree_on_kv_cache(runner)
+    while (plan := broadcast_object()) is not None:
+        runner.run(plan)
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,129 @@
+"""Tensor parallelism over two processes (gloo, one thread each): the same greedy tokens and logprobs as
+one process on several architectures, each rank holding its half of the sharded weights and KV heads,
+compiled or not; clear errors for models that cannot be sharded; the openai client against
+`strata serve --tensor-parallel-size 2`, and a rank killed mid-generation failing the server fast."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from strata import LLM, SamplingParams
+from strata.config import ConfigError
+
+from remote_server import RemoteServer
+from stories260k import GREEDY_55, PROMPT, PROMPT_IDS
+
+PROMPT_TOKENS = {"prompt_token_ids": [5, 17, 33, 9, 100, 42, 7, 8, 64, 3, 91, 12, 5, 6]}
+PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+
+
+def max_logprob_difference(one, two) -> float:
+    """The largest difference between two outputs' logprobs of the same candidates, sampled and prompt."""
+    steps = list(zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True))
+    steps += list(zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True))
+    return max(abs(a[t].logprob - b[t].logprob) for a, b in steps for t in a if t in b)
+
+
+def run_both(folder: Path, **options: object) -> tuple:
+    single = LLM(str(folder), skip_tokenizer_init=True, **options)
+    expected = single.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
+    sharded = LLM(str(folder), skip_tokenizer_init=True, tensor_parallel_size=2, **options)
+    try:
+        got = sharded.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
+        shapes = sharded.apply_model(
+            lambda model: {name: tuple(p.shape) for name, p in model.named_parameters()}
+        )
+        kv_heads = [spec.num_kv_heads for spec in sharded.engine.runner.layers]
+    finally:
+        sharded.shutdown()
+    full = single.apply_model(lambda model: {name: tuple(p.shape) for name, p in model.named_parameters()})
+    full_kv_heads = [spec.num_kv_heads for spec in single.engine.runner.layers]
+    return expected, got, full, shapes, full_kv_heads, kv_heads
+
+
+# Dense GQA, q/k norms, sliding windows, a mixture of experts, Phi-3's fused qkv (gathered, not split),
+# biased projections with a plain MLP.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_moe", "phi3", "starcoder2"])
+def test_two_ranks_match_one_process(tiny_model_dir: Callable[[str], Path], arch: str) -> None:
+    expected, got, full, shapes, full_kv_heads, kv_heads = run_both(tiny_model_dir(arch))
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert max_logprob_difference(expected, got) < 1e-4
+    # Rank 0 holds half of each sharded projection, and so half of the parameters of each layer it splits.
+    halved = [name for name in full if shapes[name] != full[name]]
+    assert halved, "nothing was sharded"
+    for name in halved:
+        assert sum(shapes[name]) < sum(full[name]) and any(
+            s * 2 == f for s, f in zip(shapes[name], full[name], strict=True)
+        ), name
+    if arch != "phi3":  # Phi-3's plan gathers the fused qkv back: every rank attends over all heads
+        assert kv_heads == [max(1, heads // 2) for heads in full_kv_heads]
+
+
+def test_compiled_bundled_model_tells_the_same_story() -> None:
+    llm = LLM(tensor_parallel_size=2, compile=True)
+    try:
+        out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=55), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert out.prompt_token_ids == PROMPT_IDS
+    assert out.outputs[0].token_ids == GREEDY_55
+
+
+def test_models_that_cannot_be_sharded_are_clear_errors(tiny_model_dir: Callable[[str], Path]) -> None:
+    with pytest.raises(ConfigError, match="no tensor-parallel plan"):
+        LLM(str(tiny_model_dir("gpt2")), skip_tokenizer_init=True, tensor_parallel_size=2)
+    # 4 attention heads do not split over 3 ranks; the spawned ranks are stopped, nothing hangs.
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="do not split over tensor_parallel_size=3"):
+        LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, tensor_parallel_size=3)
+    assert time.monotonic() - start < 60
+    assert not psutil.Process().children(recursive=True) or all(
+        "resource_tracker" in " ".join(child.cmdline()) for child in psutil.Process().children(recursive=True)
+    )
+
+
+def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
+    server = RemoteServer("--tensor-parallel-size", "2")
+    try:
+        client = server.client()
+        model = client.models.list().data[0].id
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=55, temperature=0)
+        assert (
+            reply.choices[0].text
+            == LLM()
+            .generate(PROMPT, SamplingParams(temperature=0, max_tokens=55), use_tqdm=False)[0]
+            .outputs[0]
+            .text
+        )
+
+        ranks = [
+            child
+            for child in psutil.Process(server.process.pid).children(recursive=True)
+            if "spawn_main" in " ".join(child.cmdline())
+        ]
+        assert len(ranks) == 1
+        answers: dict[str, httpx.Response] = {}
+
+        def long_request() -> None:
+            body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+            answers["reply"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(1.0)
+        ranks[0].kill()
+        worker.join(timeout=120)
+        reply = answers["reply"]
+        assert reply.status_code == 503
+        assert "tensor-parallel rank 1 died" in reply.json()["error"]["message"]
+        assert server.process.wait(timeout=60) == 1  # non-zero, for a supervisor to restart it
+    finally:
+        server.stop()
+    assert "the engine failed: tensor-parallel rank 1 died" in server.output
