@@ -52,6 +52,8 @@ SLIDING_WINDOW = 8
 
 TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False),
+    # Multi-query attention: one KV head (as Gemma 3 270M, and each rank of a split GQA model).
+    "llama_mqa": lambda: LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=SLIDING_WINDOW),
     "qwen2": lambda: Qwen2Config(**_COMMON, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32),

@@ -78,6 +78,7 @@ CASES = [
     ("bundled", "default", True, "model"),
     ("bundled", "hw-agnostic", True, "model"),
     ("llama", "default", True, "model"),
+    ("llama_mqa", "default", True, "model"),  # one KV head: a size-1 head dim in the pieces' outputs
     ("qwen3", "hw-agnostic", True, "model"),
     ("bundled", "default", False, "model"),  # str names: constants of the attention calls, between the pieces
     ("bundled", "default", True, "layer"),  # one decoder layer traced once, reused by all

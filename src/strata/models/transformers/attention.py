@@ -37,9 +37,19 @@ def strata_attention_forward(
     assert query.shape[0] == 1, "Strata flattens all sequences of a step into one row"
     layer_name = getattr(module, LAYER_NAME_ATTR)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    q, k, v = (_tokens_first(t) for t in (query, key, value))
     out = attention(q, k, v, layer_name, float(scale), float(softcap or 0.0), int(sliding_window or 0))
     return out.unsqueeze(0), None
+
+
+def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+    """`[1, heads, tokens, head_dim]` as `[tokens, heads, head_dim]`. A single head (multi-query attention,
+    or one KV head per tensor-parallel rank) is read with explicit strides: a transposed view would keep a
+    size-1 dim whose stride is the run-time token count, which a compiled piece cannot order."""
+    if t.shape[1] != 1:
+        return t[0].transpose(0, 1)
+    tokens, head_dim = t.shape[2], t.shape[3]
+    return t.contiguous().as_strided((tokens, 1, head_dim), (head_dim, head_dim, 1))
 
 
 def register_attention_interface() -> None:
