@@ -70,6 +70,7 @@ GREEDY_CHECK_TOKENS = 8  # the engines' greedy ids must agree this far; random w
 GGUF_QUANTS = ("q8_0", "q4_0", "q4_k_m")
 STRATA_GGUF, STRATA_F32 = "strata-gguf", "strata-compiled"  # Strata on a GGUF file; its float32 reference
 STRUCTURED_SUFFIX = "+json"  # a Strata engine whose requests are constrained to `structured_schema`
+TP_SUFFIX = "-tp"  # `E-tpN`: Strata engine E sharded over N tensor-parallel processes
 
 _COMMON: dict[str, Any] = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -140,6 +141,8 @@ def strata_engine(
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
+    generate.engine_stats = llm.stats  # type: ignore[attr-defined]
+    generate.close = llm.shutdown  # type: ignore[attr-defined]
     return generate
 
 
@@ -204,12 +207,21 @@ def gguf_format(engine: str) -> str | None:
     return None
 
 
+def split_tp(engine: str) -> tuple[str, int]:
+    """(the engine, its tensor-parallel size) of `E-tpN`; (engine, 1) for any other."""
+    base, _, size = engine.rpartition(TP_SUFFIX)
+    return (base, int(size)) if base and size.isdigit() else (engine, 1)
+
+
 def peers(engine: str) -> dict[str, str]:
     """The engines a row is compared with, by ratio field: transformers; llama.cpp on the same file (the
     F32 GGUF for the engines on the folder); and for Strata on a GGUF file, Strata compiled on the folder.
-    A structured engine is compared with the same engine unconstrained only."""
+    A structured engine is compared with the same engine unconstrained only, a tensor-parallel one with the
+    same engine in one process."""
     if engine.endswith(STRUCTURED_SUFFIX):
         return {"vs_unconstrained": engine.removesuffix(STRUCTURED_SUFFIX)}
+    if (base := split_tp(engine))[1] > 1:
+        return {"vs_one_process": base[0]}
     fmt = gguf_format(engine)
     out = {"vs_transformers": BASELINE}
     if not engine.startswith(LLAMA_CPP):
@@ -235,13 +247,15 @@ def build_engine(
     assert folder is not None, f"{name} needs a model folder"
     if name == BASELINE:
         return transformers_engine(folder, max_batch, max_len)
-    return strata_engine(folder, max_batch, max_len, tokenizer, structured, **STRATA_VARIANTS[name])
+    name, tp = split_tp(name)
+    variant = {**STRATA_VARIANTS[name], **({"tensor_parallel_size": tp} if tp > 1 else {})}
+    return strata_engine(folder, max_batch, max_len, tokenizer, structured, **variant)
 
 
 def bytes_per_weight(engine: str) -> int:
     """Bytes per matmul weight a Strata engine on the folder reads in a step (int8's per-row scales left
     out)."""
-    variant = STRATA_VARIANTS.get(engine, {})
+    variant = STRATA_VARIANTS.get(split_tp(engine)[0], {})
     return 1 if variant.get("quantization") == "int8" else 2 if variant.get("dtype") == "bfloat16" else 4
 
 
@@ -437,11 +451,23 @@ def take_turns(
     for generate in runners.values():
         generate(batches[0], min(new_tokens, 2))
     runs: dict[str, list[float]] = {name: [] for name in runners}
+    # Per run of a tensor-parallel engine: (seconds in collectives, forward passes).
+    collectives: dict[str, list[tuple[float, int]]] = {name: [] for name in runners}
     first: dict[str, list[list[int]]] = {}
     label = " ".join(f"{k}={v}" for k, v in common.items())
     for repeat, batch in enumerate(batches[1:]):
         for name in list(runners)[:: 1 if repeat % 2 == 0 else -1]:
+            stats = getattr(runners[name], "engine_stats", None) if split_tp(name)[1] > 1 else None
+            before = stats() if stats else None
             seconds, ids = runners[name](batch, new_tokens)
+            if stats and before:
+                after = stats()
+                collectives[name].append(
+                    (
+                        after["collective_seconds"] - before["collective_seconds"],
+                        after["num_forward_passes"] - before["num_forward_passes"],
+                    )
+                )
             if len(ids) != len(batch) or {len(i) for i in ids} != {new_tokens}:
                 raise RuntimeError(f"{name} returned {[len(i) for i in ids]} tokens, not {new_tokens} each")
             runs[name].append(seconds)
@@ -452,7 +478,12 @@ def take_turns(
     rows = []
     for name, times in runs.items():
         median = statistics.median(times)
-        rows.append({**common, "engine": name, key: tokens / median, "median_s": median, "runs_s": times})
+        row = {**common, "engine": name, key: tokens / median, "median_s": median, "runs_s": times}
+        if collectives[name]:  # a step's time in collectives, and their share of the run
+            spent = sum(seconds for seconds, _ in collectives[name])
+            row["collective_ms_per_step"] = 1e3 * spent / sum(steps for _, steps in collectives[name])
+            row["collective_share"] = spent / sum(times)
+        rows.append(row)
     rate = {row["engine"]: row[key] for row in rows}
     for row in rows:
         for field, peer in peers(row["engine"]).items():
@@ -500,6 +531,9 @@ def bench_model(model: str, engines: list[str], args: argparse.Namespace, report
     if n := args.prefill_len:
         batches = [make_prompts(1, vocab, f"prefill:{run}", n) for run in range(-1, args.repeats)]
         report["prefill"] += take_turns(runners, batches, 1, {"model": model, "prompt_len": n})[0]
+    for generate in runners.values():
+        if close := getattr(generate, "close", None):
+            close()  # a tensor-parallel engine's processes
     runners.clear()
     gc.collect()
     report["models"][model] = {
@@ -534,6 +568,7 @@ RATIOS = {
     "vs_llama_cpp": "vs llama.cpp",
     "vs_strata_f32": "vs strata f32",
     "vs_unconstrained": "vs unconstrained",
+    "vs_one_process": "vs 1 process",
 }
 
 
@@ -565,6 +600,12 @@ def format_table(report: dict[str, Any]) -> str:
             out.append(f"{model}: greedy ids, first {GREEDY_CHECK_TOKENS} at c=1: {', '.join(checks)}")
     if any(row["sequential"] for row in report["results"]):
         out.append("(seq): the engine generates a batch's prompts one after another")
+    out += [
+        f"{r['model']} {r['engine']} c={r['concurrency']}: {r['collective_ms_per_step']:.2f} ms of a step in "
+        f"collectives ({100 * r['collective_share']:.1f}% of the run)"
+        for r in report["results"]
+        if "collective_ms_per_step" in r
+    ]
     return "\n".join(out)
 
 
@@ -617,6 +658,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="also run each Strata engine with its requests constrained to a JSON schema (needs --gguf-file)",
     )
+    add(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run each Strata engine E on the folder as E-tpN, sharded over N processes (default: 1)",
+    )
     add("--json-out", type=Path, default=None, help="also write the JSON report to this file")
     args = p.parse_args(argv)
     default = GGUF_FILE_ENGINES if args.gguf_file else DEFAULT_ENGINES
@@ -626,6 +673,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.structured:
         strata = [e for e in args.engines if e.startswith("strata")]
         args.engines += [e + STRUCTURED_SUFFIX for e in strata]
+    if args.tensor_parallel_size > 1:
+        on_folder = [e for e in args.engines if e in STRATA_VARIANTS]
+        args.engines += [f"{e}{TP_SUFFIX}{args.tensor_parallel_size}" for e in on_folder]
     if args.gguf_file and not args.gguf_file.is_file():
         p.error(f"--gguf-file {args.gguf_file}: no such file")
     if args.gguf_file and (others := [e for e in args.engines if gguf_format(e) != "f32"]):

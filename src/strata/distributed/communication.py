@@ -4,6 +4,8 @@ token count it only knows at run time), so a sharded layer still compiles once."
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,11 +13,26 @@ import torch.distributed as dist
 
 from strata.distributed.parallel_state import tp_group, tp_world_size
 
+# Seconds this process spent in collectives (waiting for the other ranks included): the cost of
+# parallelism that `LLMEngine.stats()` reports.
+_collective_seconds = 0.0
+
+
+def collective_seconds() -> float:
+    return _collective_seconds
+
+
+def _timed(collective: Callable[[], None]) -> None:
+    global _collective_seconds
+    start = time.perf_counter()
+    collective()
+    _collective_seconds += time.perf_counter() - start
+
 
 @torch.library.custom_op("strata::tp_all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     out = x.clone()
-    dist.all_reduce(out, group=tp_group())
+    _timed(lambda: dist.all_reduce(out, group=tp_group()))
     return out
 
 
@@ -27,7 +44,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("strata::tp_all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_world_size())]
-    dist.all_gather(parts, x.contiguous(), group=tp_group())
+    _timed(lambda: dist.all_gather(parts, x.contiguous(), group=tp_group()))
     return torch.cat(parts, dim=dim)
 
 

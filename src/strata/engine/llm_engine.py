@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from strata.config import ConfigError, EngineConfig
+from strata.distributed.communication import collective_seconds
 from strata.engine.block_manager import BlockManager
 from strata.engine.detokenizer import IncrementalDetokenizer
 from strata.engine.scheduler import ScheduledSequence, Scheduler
@@ -402,6 +403,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": self.block_manager.usage,
             "num_kv_blocks": self.block_manager.num_blocks,
+            # Rank 0's time in tensor-parallel collectives, waits for the other ranks included.
+            "collective_seconds": collective_seconds(),
         }
 
     def shutdown(self) -> None:

@@ -39,6 +39,10 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel_config
+        if torch.distributed.is_initialized():
+            raise ConfigError(
+                "another tensor-parallel engine runs in this process: shut it down first (LLM.shutdown())"
+            )
         self.world_size = world = parallel.tensor_parallel_size
         init_method = parallel.distributed_init_method or free_local_init_method()
         # Each rank takes its share of the cores.
@@ -101,19 +105,18 @@ class TensorParallelRunner(ModelRunner):
         try:
             broadcast_object(plan)
             return self.run(plan)
-        except Exception as exc:  # a collective failed: name the rank that died, or say one hung
+        except Exception as exc:  # the ranks are out of step now: the engine cannot go on
             self._running, self._failed = False, True
             raise RankFailedError(self._failure(exc)) from exc
 
     def _failure(self, exc: Exception) -> str:
+        """Why a step failed: the rank that died, else what rank 0 raised (a collective that timed out
+        waiting for a hung rank, or an error of its own)."""
         for rank, process in enumerate(self._processes, start=1):
             process.join(timeout=1)  # a rank that just died may still be exiting
             if not process.is_alive():
                 return f"tensor-parallel rank {rank} died (exit code {process.exitcode}) during a step"
-        return (
-            "a tensor-parallel collective failed with every rank still running (one of them hung, or the "
-            f"process group broke): {exc}"
-        )
+        return f"a tensor-parallel step failed on rank 0 with every rank running: {type(exc).__name__}: {exc}"
 
     def shutdown(self) -> None:
         """Tell the other ranks to exit and wait for them (kill those that cannot be told)."""
