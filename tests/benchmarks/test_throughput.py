@@ -62,6 +62,22 @@ LLAMA_CPP_MISSING = _llama_cpp_missing()
     shutil.which(os.environ.get("CXX") or "c++") is None,
     reason="strata-gguf runs compiled, which on GGUF weights needs Strata's C++ GGUF kernel (no compiler here)",
 )
+def test_tensor_parallel_engines_run_beside_one_process(tmp_path: Path) -> None:
+    args = ["--models", "tiny", "--engines", "strata", "--tensor-parallel-size", "2", "--concurrency", "1,2"]
+    args += ["--new-tokens", "4", "--repeats", "1", "--prefill-len", "0", "--model-dir", str(tmp_path)]
+    report, table = run_benchmark("throughput", *args, env=NO_KERNELS)
+
+    assert report["settings"]["engines"] == ["strata", "strata-tp2"]
+    assert report["models"]["tiny"]["greedy_match"] == {"strata-tp2": True}
+    for row in report["results"]:
+        if row["engine"] == "strata-tp2":
+            assert row["vs_one_process"] > 0 and row["collective_ms_per_step"] > 0
+            assert 0 < row["collective_share"] < 1
+        else:
+            assert "vs_one_process" not in row and "collective_ms_per_step" not in row
+    assert "ms of a step in collectives" in table
+
+
 def test_gguf_engines_run_on_a_quantized_file_beside_llama_cpp(tmp_path: Path) -> None:
     # Kernels on: strata-gguf is Strata compiled on the file, computing with the GGUF kernel.
     engines = ["strata-compiled", "strata-gguf-q8_0", "llama.cpp-q8_0"]
