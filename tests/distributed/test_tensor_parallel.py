@@ -5,21 +5,29 @@ compiled or not; clear errors for models that cannot be sharded; the openai clie
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
 
-from remote_server import RemoteServer
+from remote_server import RemoteServer, free_port
 from stories260k import GREEDY_55, PROMPT, PROMPT_IDS
 
+# One torch thread per rank: the two ranks share this machine's cores.
+THREAD_ENV = {**os.environ, "STRATA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 PROMPT_TOKENS = {"prompt_token_ids": [5, 17, 33, 9, 100, 42, 7, 8, 64, 3, 91, 12, 5, 6]}
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=5, prompt_logprobs=5, ignore_eos=True)
 
@@ -89,19 +97,21 @@ def test_models_that_cannot_be_sharded_are_clear_errors(tiny_model_dir: Callable
     )
 
 
+@cache
+def expected_story() -> str:
+    """The bundled model's greedy 55 tokens, from one process."""
+    params = SamplingParams(temperature=0, max_tokens=55)
+    return LLM().generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+
+
 def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
+    story = expected_story()  # (first: it builds the CPU kernels the server then finds built)
     server = RemoteServer("--tensor-parallel-size", "2")
     try:
         client = server.client()
         model = client.models.list().data[0].id
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=55, temperature=0)
-        assert (
-            reply.choices[0].text
-            == LLM()
-            .generate(PROMPT, SamplingParams(temperature=0, max_tokens=55), use_tqdm=False)[0]
-            .outputs[0]
-            .text
-        )
+        assert reply.choices[0].text == story
 
         ranks = [
             child
@@ -127,3 +137,51 @@ def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
     finally:
         server.stop()
     assert "the engine failed: tensor-parallel rank 1 died" in server.output
+
+
+def test_torchrun_two_nodes_serve_one_model(tmp_path: Path) -> None:
+    """`torchrun --nnodes 2` on 127.0.0.1, one process per "node": rank 0 serves the OpenAI API, rank 1
+    runs its shard of each step; stopping rank 0 stops both."""
+    story = expected_story()  # (first: it builds the CPU kernels the ranks then find built)
+    store, port = free_port(), free_port()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    nodes = []
+    for node in (0, 1):
+        command = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+        command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store}"]
+        command += [
+            "-m",
+            "strata.entrypoints.cli",
+            "serve",
+            "--tensor-parallel-size",
+            "2",
+            "--port",
+            str(port),
+        ]
+        log = (tmp_path / f"node{node}.log").open("w")
+        nodes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=THREAD_ENV))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert all(node.poll() is None for node in nodes), (tmp_path / "node0.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(
+            model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=55, temperature=0
+        )
+        assert reply.choices[0].text == story
+        # SIGTERM to rank 0 (node 0's worker process): it stops serving and tells rank 1 to stop, and
+        # both torchrun agents see their process exit 0.
+        [rank0] = psutil.Process(nodes[0].pid).children()
+        rank0.send_signal(signal.SIGTERM)
+        assert [node.wait(timeout=120) for node in nodes] == [0, 0]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert "2 ranks launched by torchrun" in (tmp_path / "node0.log").read_text()

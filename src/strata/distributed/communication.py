@@ -72,6 +72,13 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return holder[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    gathered: list[Any] = [None] * tp_world_size()
+    dist.all_gather_object(gathered, obj, group=tp_group())
+    return gathered
+
+
 def min_over_ranks(value: int) -> int:
     """The smallest of the ranks' `value`s (what every rank can afford)."""
     if tp_world_size() == 1:

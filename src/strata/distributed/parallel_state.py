@@ -8,6 +8,7 @@ questions in one process and in many.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch.distributed as dist
@@ -30,6 +31,15 @@ def free_local_init_method() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (or a launcher setting its variables) started this process as one
+    rank of a group; None otherwise."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in os.environ for name in names):
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def init_distributed(backend: str, init_method: str, rank: int, world_size: int, timeout: float) -> None:

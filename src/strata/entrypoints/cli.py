@@ -75,25 +75,41 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_arguments(parser)
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM` options of `add_engine_arguments`."""
+    return {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "compile": args.compile,
+        "quantization": args.quantization,
+        "tokenizer": args.tokenizer,
+        "gguf_dequantize": args.gguf_dequantize,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        **layer_config_kwargs(args),
+    }
+
+
 def llm_from_args(args: argparse.Namespace, model: str | None, **options: Any) -> Any:
     """The `LLM` the options of `add_engine_arguments` ask for (`options` add to them)."""
     from strata.entrypoints.llm import LLM
 
-    return LLM(
-        model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_dtype=args.kv_cache_dtype,
-        compile=args.compile,
-        quantization=args.quantization,
-        tokenizer=args.tokenizer,
-        gguf_dequantize=args.gguf_dequantize,
-        tensor_parallel_size=args.tensor_parallel_size,
-        **layer_config_kwargs(args),
-        **options,
-    )
+    return LLM(model, **engine_options(args), **options)
+
+
+def run_launched_rank(args: argparse.Namespace, rank: int, model: str | None, **options: Any) -> int:
+    """A rank past 0 of an engine torchrun launched: it builds its shard of the engine `args` describe
+    and runs the steps rank 0 (which serves or generates) sends it, until rank 0 stops."""
+    import torch
+
+    from strata.entrypoints.llm import engine_config
+    from strata.worker.tensor_parallel import run_rank
+
+    config = engine_config(model, **engine_options(args), **options)
+    run_rank(config, rank, "env://", torch.get_num_threads(), None)
+    return 0
 
 
 def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -109,6 +125,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from strata.distributed.parallel_state import torchrun_rank
     from strata.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -118,6 +135,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    if (launched := torchrun_rank()) is not None and launched[0] != 0:
+        return run_launched_rank(args, launched[0], args.model)
     engine = llm_from_args(args, args.model).engine
     try:
         request = engine.add_request(args.prompt, params)

@@ -59,76 +59,80 @@ def _compilation_config(
     return config
 
 
+def engine_config(
+    model: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    skip_tokenizer_init: bool = False,
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    kv_cache_dtype: str = "auto",
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    device: str = "cpu",
+    layer_impl: str | None = None,
+    custom_ops: list[str] | None = None,
+    prepack_weights: bool | None = None,
+    fp32_matmul_precision: str | None = None,
+    compile: bool | None = None,
+    compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
+    quantization: str | None = None,
+    gguf_dequantize: bool = False,
+    adaptive_threads: bool | None = None,
+    tensor_parallel_size: int = 1,
+) -> EngineConfig:
+    """The configuration of an engine with `LLM`'s options (each checked)."""
+    model_config = ModelConfig(
+        model=model if model is not None else default_model(),
+        tokenizer=tokenizer,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        skip_tokenizer_init=skip_tokenizer_init,
+        quantization=quantization,
+        gguf_dequantize=gguf_dequantize,
+    )
+    cache_kwargs: dict[str, Any] = {
+        "block_size": block_size,
+        "enable_prefix_caching": enable_prefix_caching,
+        "kv_cache_dtype": kv_cache_dtype,
+    }
+    if kv_cache_memory is not None:
+        cache_kwargs["kv_cache_memory"] = kv_cache_memory
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(**cache_kwargs),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        device=device,
+        layer_config=LayerConfig(
+            layer_impl=layer_impl,
+            custom_ops=["all"] if custom_ops is None else custom_ops,
+            **({} if prepack_weights is None else {"prepack_weights": prepack_weights}),
+            fp32_matmul_precision=fp32_matmul_precision,
+        ),
+        compilation_config=_compilation_config(compile, compilation_config),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        adaptive_threads=adaptive_threads,
+    )
+
+
 class LLM:
     """Generate text from prompts with a local Hugging Face model folder (the bundled model by default), on
     the platform `device` names ("cpu", "cuda", "cuda:1", or a plugin's)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str | torch.dtype = "float32",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        skip_tokenizer_init: bool = False,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        device: str = "cpu",
-        layer_impl: str | None = None,
-        custom_ops: list[str] | None = None,
-        prepack_weights: bool | None = None,
-        fp32_matmul_precision: str | None = None,
-        compile: bool | None = None,
-        compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
-        quantization: str | None = None,
-        gguf_dequantize: bool = False,
-        adaptive_threads: bool | None = None,
-        tensor_parallel_size: int = 1,
-    ) -> None:
-        model_config = ModelConfig(
-            model=model if model is not None else default_model(),
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            skip_tokenizer_init=skip_tokenizer_init,
-            quantization=quantization,
-            gguf_dequantize=gguf_dequantize,
-        )
-        cache_kwargs: dict[str, Any] = {
-            "block_size": block_size,
-            "enable_prefix_caching": enable_prefix_caching,
-            "kv_cache_dtype": kv_cache_dtype,
-        }
-        if kv_cache_memory is not None:
-            cache_kwargs["kv_cache_memory"] = kv_cache_memory
-        self.engine = LLMEngine(
-            EngineConfig(
-                model_config=model_config,
-                cache_config=CacheConfig(**cache_kwargs),
-                scheduler_config=SchedulerConfig(
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    enable_chunked_prefill=enable_chunked_prefill,
-                ),
-                device=device,
-                layer_config=LayerConfig(
-                    layer_impl=layer_impl,
-                    custom_ops=["all"] if custom_ops is None else custom_ops,
-                    **({} if prepack_weights is None else {"prepack_weights": prepack_weights}),
-                    fp32_matmul_precision=fp32_matmul_precision,
-                ),
-                compilation_config=_compilation_config(compile, compilation_config),
-                parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-                adaptive_threads=adaptive_threads,
-            )
-        )
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`model`: a model folder or GGUF file (the bundled model by default); `options`: those of
+        `engine_config` (dtype, max_model_len, compile, tensor_parallel_size, ...), named as vLLM names them."""
+        self.engine = LLMEngine(engine_config(model, **options))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -1,4 +1,5 @@
-"""A tensor-parallel engine's ranks: rank 0 runs in the engine's process, the others in processes it spawns.
+"""A tensor-parallel engine's ranks: rank 0 runs in the engine's process, the others in processes it spawns
+on this machine, or that torchrun started (on this machine or others) running `run_rank`.
 
 Every rank builds the model sharded for itself (`models.transformers.tensor_parallel`) and its share of
 the KV cache. Rank 0 schedules and samples: each step it plans the inputs (plain lists), broadcasts the
@@ -19,8 +20,8 @@ from multiprocessing.connection import Connection
 import torch
 
 from strata.config import ConfigError, EngineConfig
-from strata.distributed.communication import broadcast_object, min_over_ranks
-from strata.distributed.parallel_state import free_local_init_method, init_distributed
+from strata.distributed.communication import broadcast_object, gather_objects, min_over_ranks
+from strata.distributed.parallel_state import free_local_init_method, init_distributed, torchrun_rank
 from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork
 
 logger = logging.getLogger("strata.worker.tensor_parallel")
@@ -44,13 +45,17 @@ class TensorParallelRunner(ModelRunner):
                 "another tensor-parallel engine runs in this process: shut it down first (LLM.shutdown())"
             )
         self.world_size = world = parallel.tensor_parallel_size
+        self._processes: list[multiprocessing.process.BaseProcess] = []
+        self._reports: list[Connection] = []
+        self._running = self._failed = False
+        launched = torchrun_rank()
+        if launched is not None:
+            self._join_launched_ranks(config, *launched)
+            return
         init_method = parallel.distributed_init_method or free_local_init_method()
         # Each rank takes its share of the cores.
         threads = max(1, torch.get_num_threads() // world)
         context = multiprocessing.get_context("spawn")
-        self._processes: list[multiprocessing.process.BaseProcess] = []
-        self._reports: list[Connection] = []
-        self._running = self._failed = False
         for rank in range(1, world):
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
@@ -77,6 +82,30 @@ class TensorParallelRunner(ModelRunner):
             raise
         self._running = True
         logger.info("tensor parallel: %d ranks, %d threads each", world, threads)
+
+    def _join_launched_ranks(self, config: EngineConfig, rank: int, world: int) -> None:
+        """Rank 0 of ranks torchrun started: the others run `run_rank` (the CLI sends them there)."""
+        parallel = config.parallel_config
+        if world != self.world_size or rank != 0:
+            raise ConfigError(
+                f"torchrun started this process as rank {rank} of {world}, but the engine is rank 0 of "
+                f"tensor_parallel_size={self.world_size}: launch as many processes as the model has ranks"
+            )
+        init_distributed(
+            config.platform.distributed_backend, "env://", 0, world, parallel.distributed_timeout
+        )
+        super().__init__(config)
+        failed = [
+            (r, detail)
+            for r, (status, detail) in enumerate(gather_objects(("ready", None)))
+            if status != "ready"
+        ]
+        if failed:
+            rank, detail = failed[0]
+            raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+        agree_on_kv_cache(self)
+        self._running = True
+        logger.info("tensor parallel: %d ranks launched by torchrun", world)
 
     def _wait_for_ranks(self, timeout: float) -> None:
         """Until every other rank has built its shard; the first that failed or died is an error naming it."""
@@ -145,9 +174,12 @@ def agree_on_kv_cache(runner: ModelRunner) -> None:
     runner.resize_kv_cache(min_over_ranks(runner.num_blocks))
 
 
-def run_rank(config: EngineConfig, rank: int, init_method: str, threads: int, report: Connection) -> None:
-    """A spawned rank's life: join the group, build the shard, then run each plan rank 0 broadcasts until
-    it broadcasts None."""
+def run_rank(
+    config: EngineConfig, rank: int, init_method: str, threads: int, report: Connection | None
+) -> None:
+    """A rank's life past rank 0: join the group, build the shard, say whether that worked (on `report`,
+    the pipe of a spawned rank; over the group for one torchrun started), then run each plan rank 0
+    broadcasts until it broadcasts None."""
     torch.set_num_threads(threads)
     parallel = config.parallel_config
     init_distributed(
@@ -156,11 +188,16 @@ def run_rank(config: EngineConfig, rank: int, init_method: str, threads: int, re
     )  # fmt: skip
     try:
         runner = ModelRunner(config)
+        status = ("ready", None)
     except Exception as exc:
-        report.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1) from exc
-    report.send(("ready", None))
-    report.close()
+        status = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    if report is not None:
+        report.send(status)
+        report.close()
+    else:
+        gather_objects(status)
+    if status[0] != "ready":
+        raise SystemExit(1)
     agree_on_kv_cache(runner)
     while (plan := broadcast_object()) is not None:
         runner.run(plan)

@@ -90,8 +90,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import torch
 
     from strata import envs
+    from strata.distributed.parallel_state import torchrun_rank
     from strata.engine.async_engine import AsyncLLMEngine
-    from strata.entrypoints.cli import llm_from_args
+    from strata.entrypoints.cli import llm_from_args, run_launched_rank
     from strata.entrypoints.llm import default_model
     from strata.entrypoints.openai.api_server import ServerConfig, run_server
 
@@ -99,6 +100,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     model = args.model_tag or args.model
+    if (launched := torchrun_rank()) is not None and launched[0] != 0:
+        # Another rank of a torchrun launch: rank 0 serves, this one runs its shard of each step.
+        return run_launched_rank(args, launched[0], model, max_num_seqs=args.max_num_seqs)
     llm = llm_from_args(args, model, max_num_seqs=args.max_num_seqs)
     model_path = model if model is not None else default_model()
     names = args.served_model_name or [model if model is not None else Path(model_path).name]
