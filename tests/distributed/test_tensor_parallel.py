@@ -84,6 +84,18 @@ def test_compiled_bundled_model_tells_the_same_story() -> None:
     assert out.outputs[0].token_ids == GREEDY_55
 
 
+def test_an_idle_engine_outlives_the_collective_timeout() -> None:
+    """The other ranks wait for the next step in a collective that times out; while the engine is idle,
+    rank 0's keep-alive messages keep that wait short of the timeout."""
+    llm = LLM(tensor_parallel_size=2, distributed_timeout=2.0)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=55)
+        time.sleep(5)
+        assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == GREEDY_55
+    finally:
+        llm.shutdown()
+
+
 def test_models_that_cannot_be_sharded_are_clear_errors(tiny_model_dir: Callable[[str], Path]) -> None:
     with pytest.raises(ConfigError, match="no tensor-parallel plan"):
         LLM(str(tiny_model_dir("gpt2")), skip_tokenizer_init=True, tensor_parallel_size=2)
@@ -122,7 +134,7 @@ def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
         answers: dict[str, httpx.Response] = {}
 
         def long_request() -> None:
-            body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+            body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "n": 16}
             answers["reply"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
 
         worker = threading.Thread(target=long_request)

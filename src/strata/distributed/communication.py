@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from strata.distributed.parallel_state import tp_group, tp_world_size
+from strata.distributed.parallel_state import local_communicator, tp_group, tp_world_size
+from strata.distributed.shared_memory import TOO_LARGE
+
+T = TypeVar("T")
 
 # Seconds this process spent in collectives (waiting for the other ranks included): the cost of
 # parallelism that `LLMEngine.stats()` reports.
@@ -22,15 +25,19 @@ def collective_seconds() -> float:
     return _collective_seconds
 
 
-def _timed(collective: Callable[[], None]) -> None:
+def _timed(collective: Callable[[], T]) -> T:
     global _collective_seconds
     start = time.perf_counter()
-    collective()
+    result = collective()
     _collective_seconds += time.perf_counter() - start
+    return result
 
 
 @torch.library.custom_op("strata::tp_all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    local = local_communicator()
+    if local is not None and local.fits(x.nbytes):
+        return _timed(lambda: local.all_reduce(x))
     out = x.clone()
     _timed(lambda: dist.all_reduce(out, group=tp_group()))
     return out
@@ -43,6 +50,9 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("strata::tp_all_gather", mutates_args=())
 def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    local = local_communicator()
+    if local is not None and local.fits(x.nbytes):
+        return _timed(lambda: local.all_gather(x, dim))
     parts = [torch.empty_like(x) for _ in range(tp_world_size())]
     _timed(lambda: dist.all_gather(parts, x.contiguous(), group=tp_group()))
     return torch.cat(parts, dim=dim)
@@ -67,6 +77,9 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     """`obj` from rank `src` on every rank (pickled: for a step's small inputs and control messages)."""
+    local = local_communicator()
+    if local is not None and (sent := local.broadcast_object(obj, src)) is not TOO_LARGE:
+        return sent
     holder = [obj]
     dist.broadcast_object_list(holder, src=src, group=tp_group())
     return holder[0]

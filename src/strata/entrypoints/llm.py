@@ -85,6 +85,7 @@ def engine_config(
     gguf_dequantize: bool = False,
     adaptive_threads: bool | None = None,
     tensor_parallel_size: int = 1,
+    distributed_timeout: float = 120.0,
 ) -> EngineConfig:
     """The configuration of an engine with `LLM`'s options (each checked)."""
     model_config = ModelConfig(
@@ -120,7 +121,9 @@ def engine_config(
             fp32_matmul_precision=fp32_matmul_precision,
         ),
         compilation_config=_compilation_config(compile, compilation_config),
-        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tensor_parallel_size, distributed_timeout=distributed_timeout
+        ),
         adaptive_threads=adaptive_threads,
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -21,13 +22,22 @@ import torch
 
 from strata.config import ConfigError, EngineConfig
 from strata.distributed.communication import broadcast_object, gather_objects, min_over_ranks
-from strata.distributed.parallel_state import free_local_init_method, init_distributed, torchrun_rank
-from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork
+from strata.distributed.parallel_state import (
+    free_local_init_method,
+    init_distributed,
+    local_communicator,
+    same_machine,
+    shutdown_distributed,
+    torchrun_rank,
+)
+from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork, StepPlan
 
 logger = logging.getLogger("strata.worker.tensor_parallel")
 
 # How often rank 0 looks at the other ranks while it waits for them to build their shards.
 _POLL_SECONDS = 0.1
+# The message rank 0 sends the others while the engine is idle, so their wait for a step never times out.
+KEEPALIVE = "keepalive"
 
 
 class RankFailedError(RuntimeError):
@@ -48,6 +58,9 @@ class TensorParallelRunner(ModelRunner):
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._reports: list[Connection] = []
         self._running = self._failed = False
+        # Steps and keep-alive messages take turns on the process group.
+        self._lock = threading.Lock()
+        self._stop_keepalive = threading.Event()
         launched = torchrun_rank()
         if launched is not None:
             self._join_launched_ranks(config, *launched)
@@ -71,8 +84,10 @@ class TensorParallelRunner(ModelRunner):
         torch.set_num_threads(threads)
         try:
             init_distributed(
-                config.platform.distributed_backend, init_method, 0, world, parallel.distributed_timeout
+                config.platform.distributed_backend, init_method, 0, world, parallel.distributed_timeout, True
             )
+            if (local := local_communicator()) is not None:
+                local.watchdog = self._dead_rank
             super().__init__(config)
             self._wait_for_ranks(parallel.distributed_timeout)
             agree_on_kv_cache(self)
@@ -80,7 +95,7 @@ class TensorParallelRunner(ModelRunner):
             self._failed = True
             self._stop_processes()
             raise
-        self._running = True
+        self._start_keepalive(parallel.distributed_timeout)
         logger.info("tensor parallel: %d ranks, %d threads each", world, threads)
 
     def _join_launched_ranks(self, config: EngineConfig, rank: int, world: int) -> None:
@@ -92,7 +107,12 @@ class TensorParallelRunner(ModelRunner):
                 f"tensor_parallel_size={self.world_size}: launch as many processes as the model has ranks"
             )
         init_distributed(
-            config.platform.distributed_backend, "env://", 0, world, parallel.distributed_timeout
+            config.platform.distributed_backend,
+            "env://",
+            0,
+            world,
+            parallel.distributed_timeout,
+            same_machine(),
         )
         super().__init__(config)
         failed = [
@@ -104,7 +124,7 @@ class TensorParallelRunner(ModelRunner):
             rank, detail = failed[0]
             raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
         agree_on_kv_cache(self)
-        self._running = True
+        self._start_keepalive(parallel.distributed_timeout)
         logger.info("tensor parallel: %d ranks launched by torchrun", world)
 
     def _wait_for_ranks(self, timeout: float) -> None:
@@ -127,34 +147,62 @@ class TensorParallelRunner(ModelRunner):
                 )
             time.sleep(_POLL_SECONDS)
 
+    def _start_keepalive(self, timeout: float) -> None:
+        """The other ranks wait for each step in a collective, which times out: while the engine is idle,
+        rank 0 sends them an empty message well within the timeout."""
+        self._running = True
+        self._last_message = time.monotonic()
+        interval = timeout / 4
+
+        def keep_alive() -> None:
+            while not self._stop_keepalive.wait(interval / 4):
+                with self._lock:
+                    if self._running and time.monotonic() - self._last_message > interval:
+                        self._send(KEEPALIVE)
+
+        threading.Thread(target=keep_alive, name="strata-tp-keepalive", daemon=True).start()
+
+    def _send(self, message: object) -> None:
+        broadcast_object(message)
+        self._last_message = time.monotonic()
+
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
-        if not self._running:
-            raise RankFailedError("the tensor-parallel ranks are stopped")
-        plan = self.plan(scheduled)
-        try:
-            broadcast_object(plan)
-            return self.run(plan)
-        except Exception as exc:  # the ranks are out of step now: the engine cannot go on
-            self._running, self._failed = False, True
-            raise RankFailedError(self._failure(exc)) from exc
+        with self._lock:
+            if not self._running:
+                raise RankFailedError("the tensor-parallel ranks are stopped")
+            plan = self.plan(scheduled)
+            try:
+                self._send(plan)
+                return self.run(plan)
+            except Exception as exc:  # the ranks are out of step now: the engine cannot go on
+                self._running, self._failed = False, True
+                raise RankFailedError(self._failure(exc)) from exc
+
+    def _dead_rank(self) -> str | None:
+        for rank, process in enumerate(self._processes, start=1):
+            if not process.is_alive():
+                return f"tensor-parallel rank {rank} died (exit code {process.exitcode})"
+        return None
 
     def _failure(self, exc: Exception) -> str:
         """Why a step failed: the rank that died, else what rank 0 raised (a collective that timed out
         waiting for a hung rank, or an error of its own)."""
-        for rank, process in enumerate(self._processes, start=1):
+        for process in self._processes:
             process.join(timeout=1)  # a rank that just died may still be exiting
-            if not process.is_alive():
-                return f"tensor-parallel rank {rank} died (exit code {process.exitcode}) during a step"
+        if (dead := self._dead_rank()) is not None:
+            return f"{dead} during a step"
         return f"a tensor-parallel step failed on rank 0 with every rank running: {type(exc).__name__}: {exc}"
 
     def shutdown(self) -> None:
         """Tell the other ranks to exit and wait for them (kill those that cannot be told)."""
-        if self._running:
-            self._running = False
-            try:
-                broadcast_object(None)
-            except RuntimeError:
-                logger.warning("could not reach every tensor-parallel rank to stop it")
+        self._stop_keepalive.set()
+        with self._lock:
+            if self._running:
+                self._running = False
+                try:
+                    broadcast_object(None)
+                except (RuntimeError, TimeoutError):
+                    logger.warning("could not reach every tensor-parallel rank to stop it")
         self._stop_processes()
 
     def _stop_processes(self) -> None:
@@ -164,8 +212,7 @@ class TensorParallelRunner(ModelRunner):
                 process.kill()
                 process.join()
         self._processes.clear()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        shutdown_distributed()
 
 
 def agree_on_kv_cache(runner: ModelRunner) -> None:
@@ -184,7 +231,7 @@ def run_rank(
     parallel = config.parallel_config
     init_distributed(
         config.platform.distributed_backend, init_method, rank, parallel.tensor_parallel_size,
-        parallel.distributed_timeout,
+        parallel.distributed_timeout, init_method != "env://" or same_machine(),
     )  # fmt: skip
     try:
         runner = ModelRunner(config)
@@ -198,7 +245,11 @@ def run_rank(
         gather_objects(status)
     if status[0] != "ready":
         raise SystemExit(1)
+    parent = multiprocessing.parent_process()
+    if (local := local_communicator()) is not None and parent is not None:
+        local.watchdog = lambda: None if parent.is_alive() else "rank 0 died"
     agree_on_kv_cache(runner)
     while (plan := broadcast_object()) is not None:
-        runner.run(plan)
-    torch.distributed.destroy_process_group()
+        if isinstance(plan, StepPlan):  # else a keep-alive message
+            runner.run(plan)
+    shutdown_distributed()
