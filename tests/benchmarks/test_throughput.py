@@ -57,11 +57,6 @@ def _llama_cpp_missing() -> str | None:
 LLAMA_CPP_MISSING = _llama_cpp_missing()
 
 
-@pytest.mark.skipif(LLAMA_CPP_MISSING is not None, reason=str(LLAMA_CPP_MISSING))
-@pytest.mark.skipif(
-    shutil.which(os.environ.get("CXX") or "c++") is None,
-    reason="strata-gguf runs compiled, which on GGUF weights needs Strata's C++ GGUF kernel (no compiler here)",
-)
 def test_tensor_parallel_engines_run_beside_one_process(tmp_path: Path) -> None:
     args = ["--models", "tiny", "--engines", "strata", "--tensor-parallel-size", "2", "--concurrency", "1,2"]
     args += ["--new-tokens", "4", "--repeats", "1", "--prefill-len", "0", "--model-dir", str(tmp_path)]
@@ -78,6 +73,11 @@ def test_tensor_parallel_engines_run_beside_one_process(tmp_path: Path) -> None:
     assert "ms of a step in collectives" in table
 
 
+@pytest.mark.skipif(LLAMA_CPP_MISSING is not None, reason=str(LLAMA_CPP_MISSING))
+@pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX") or "c++") is None,
+    reason="strata-gguf runs compiled, which on GGUF weights needs Strata's C++ GGUF kernel (no compiler here)",
+)
 def test_gguf_engines_run_on_a_quantized_file_beside_llama_cpp(tmp_path: Path) -> None:
     # Kernels on: strata-gguf is Strata compiled on the file, computing with the GGUF kernel.
     engines = ["strata-compiled", "strata-gguf-q8_0", "llama.cpp-q8_0"]
