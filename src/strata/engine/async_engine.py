@@ -181,20 +181,16 @@ class AsyncLLMEngine:
         `on_failure` (the server's exit) runs on the event loop."""
         self.failure = exc
         self._stopping = True
-        failures: dict[str, BaseException] = {}
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
-            failures[request_id] = EngineDeadError(f"the engine failed: {exc}")
-        self.stats = self.engine.stats()
-        self._deliver_threadsafe([], failures)
+        self._stop_all(f"the engine failed: {exc}")
         if self.on_failure is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_failure)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, reason: str = "the server shut down before the request finished") -> None:
+        """Abort every request, each ending with EngineDeadError(`reason`)."""
         failures: dict[str, BaseException] = {}
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-            failures[request_id] = EngineDeadError("the server shut down before the request finished")
+            failures[request_id] = EngineDeadError(reason)
         self.stats = self.engine.stats()
         self._deliver_threadsafe([], failures)
 
