@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from strata import __version__
-from strata.engine.async_engine import AsyncLLMEngine
+from strata.engine.engine_client import EngineClient
 from strata.entrypoints.openai.metrics import ServerMetrics
 from strata.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -182,7 +182,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{loc[0]}: {message}", loc[0]
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> ASGIApp:
+def build_app(engine: EngineClient, config: ServerConfig) -> ASGIApp:
     metrics = ServerMetrics(config.model_names[0])
     completions = OpenAIServingCompletion(engine, config, metrics)
     chat = OpenAIServingChat(engine, config, metrics)
@@ -297,7 +297,7 @@ class _Server(uvicorn.Server):
         self,
         uvicorn_config: uvicorn.Config,
         server_config: ServerConfig,
-        engine: AsyncLLMEngine,
+        engine: EngineClient,
         shutdown_timeout: float,
     ) -> None:
         super().__init__(uvicorn_config)
@@ -352,7 +352,7 @@ def freeze_startup_heap() -> int:
 
 
 def run_server(
-    engine: AsyncLLMEngine, config: ServerConfig, host: str, port: int, shutdown_timeout: float
+    engine: EngineClient, config: ServerConfig, host: str, port: int, shutdown_timeout: float
 ) -> None:
     """Serve until SIGINT/SIGTERM; in-flight requests get `shutdown_timeout` seconds, then are aborted
     (a stream ends with an error event and `[DONE]`, a waiting client gets a 503). An engine that fails

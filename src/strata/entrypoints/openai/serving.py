@@ -18,7 +18,8 @@ from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
 
 from strata import __version__
-from strata.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from strata.engine.engine_client import EngineClient
+from strata.engine.engine_loop import EngineDeadError
 from strata.engine.llm_engine import PromptError, PromptType
 from strata.engine.token_text import PieceDecoder, TokenPiece, TokenTexts
 from strata.entrypoints.openai.metrics import ServerMetrics
@@ -162,7 +163,7 @@ async def until_disconnected(raw_request: HTTPRequest, work: Awaitable[T]) -> T:
 class OpenAIServing:
     """Base of the completion and chat handlers."""
 
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
