@@ -68,7 +68,10 @@ class RemoteServer:
         return httpx.get(f"{self.url}/stats", timeout=10).json()
 
     def stop(self) -> int:
-        """SIGTERM, then the exit code (killing it only if it hangs); what it printed is kept in `output`."""
+        """SIGTERM, then the exit code (killing it only if it hangs); what it printed is kept in `output`.
+        Stopping a server stopped before only returns its exit code."""
+        if self.process.stdout.closed:  # type: ignore[union-attr]
+            return self.process.wait()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:

@@ -419,8 +419,11 @@ class ParallelConfig:
     distributed_init_method: str | None = None
     # Seconds a collective may wait for a rank before the engine fails naming it.
     distributed_timeout: float = 120.0
+    # Replicas of the whole engine (each with the ranks above) behind one server, sharing nothing.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check_positive_int("data_parallel_size", self.data_parallel_size)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.distributed_timeout, int | float) or self.distributed_timeout <= 0:
             raise ConfigError(

@@ -236,7 +236,8 @@ def build_app(engine: EngineClient, config: ServerConfig) -> ASGIApp:
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        """The engine's counters (forward passes, batch sizes, KV blocks): for tests and debugging."""
+        """The engine's counters (forward passes, batch sizes, KV blocks): for tests and debugging. A
+        data-parallel engine adds them up and lists each replica's under "replicas"."""
         return engine.stats
 
     def model_card(name: str) -> ModelCard:
@@ -305,7 +306,8 @@ class _Server(uvicorn.Server):
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self._engine_stop: asyncio.Task[None] | None = None
-        # An engine that failed for good (a dead tensor-parallel rank) stops the server; it exits non-zero.
+        # An engine that failed for good (a dead tensor-parallel rank, every data-parallel replica dead)
+        # stops the server; it exits non-zero.
         engine.on_failure = self.stop_after_failure
 
     def stop_after_failure(self) -> None:

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from strata.entrypoints.openai.server_config import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+
+if TYPE_CHECKING:
+    from strata.engine.engine_client import EngineClient
 
 # The parsers of `tool_calls.TOOL_CALL_PARSERS`, named here so `strata --help` need not import the server.
 TOOL_CALL_PARSER_NAMES = ("hermes", "json")
@@ -25,6 +30,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder (same as --model)"
     )
     add_engine_arguments(parser)
+    parser.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine replicas behind the server, each a process with its share of the cores; a request goes "
+        "to the replica with the fewest unfinished requests (default: 1)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -80,6 +93,21 @@ def _read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
+def _serving_engine(args: argparse.Namespace, model: str | None) -> EngineClient:
+    """One engine stepped on a thread of this process, or `--data-parallel-size` replicas of it, each in a
+    process of its own."""
+    from strata.engine.async_engine import AsyncLLMEngine
+    from strata.engine.data_parallel import DataParallelEngine
+    from strata.entrypoints.cli import engine_options, llm_from_args
+    from strata.entrypoints.llm import engine_config
+
+    if args.data_parallel_size == 1:
+        return AsyncLLMEngine(llm_from_args(args, model, max_num_seqs=args.max_num_seqs).engine)
+    config = engine_config(model, **engine_options(args), max_num_seqs=args.max_num_seqs)
+    config.parallel_config = replace(config.parallel_config, data_parallel_size=args.data_parallel_size)
+    return DataParallelEngine(config)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
@@ -91,8 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from strata import envs
     from strata.distributed.parallel_state import torchrun_rank
-    from strata.engine.async_engine import AsyncLLMEngine
-    from strata.entrypoints.cli import llm_from_args, run_launched_rank
+    from strata.entrypoints.cli import run_launched_rank
     from strata.entrypoints.llm import default_model
     from strata.entrypoints.openai.api_server import ServerConfig, run_server
 
@@ -100,10 +127,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     model = args.model_tag or args.model
-    if (launched := torchrun_rank()) is not None and launched[0] != 0:
+    if (launched := torchrun_rank()) is not None and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size starts its replicas itself: it does not combine with torchrun")
+    if launched is not None and launched[0] != 0:
         # Another rank of a torchrun launch: rank 0 serves, this one runs its shard of each step.
         return run_launched_rank(args, launched[0], model, max_num_seqs=args.max_num_seqs)
-    llm = llm_from_args(args, model, max_num_seqs=args.max_num_seqs)
+    engine = _serving_engine(args, model)
     model_path = model if model is not None else default_model()
     names = args.served_model_name or [model if model is not None else Path(model_path).name]
     config = ServerConfig(
@@ -114,7 +143,6 @@ def run_serve(args: argparse.Namespace) -> int:
         max_sequences_per_request=args.max_sequences_per_request,
         tool_call_parser=args.tool_call_parser,
     )
-    engine = AsyncLLMEngine(llm.engine)
     run_server(engine, config, args.host, args.port, args.shutdown_timeout)
     if engine.failure is not None:
         # Non-zero, so a supervisor restarts the server.

@@ -1,8 +1,9 @@
 """Prometheus metrics of the server, named like vLLM's (`strata:` instead of `vllm:`).
 
 Each app gets its own registry, so several servers in one process (tests) never collide. Engine gauges
-are read from the async engine's stats snapshot at scrape time; latencies are observed by the serving
-layer as outputs reach the event loop, which is what a client sees.
+and counters are read from the engine's stats snapshot at scrape time, one series per data-parallel
+replica (`replica="0"` for a single engine); latencies are observed by the serving layer as outputs reach
+the event loop, which is what a client sees.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ _ENGINE_COUNTERS = {
 }
 
 
+def replica_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each replica's stats: a data-parallel engine lists them under "replicas", one engine is replica 0."""
+    return stats.get("replicas", [stats])
+
+
 class _EngineCounters(Collector):
     """Reads the engine's monotonic counters from its latest stats snapshot at each scrape."""
 
@@ -38,8 +44,9 @@ class _EngineCounters(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         for key, (name, documentation) in _ENGINE_COUNTERS.items():
-            family = CounterMetricFamily(name, documentation, labels=["model_name"])
-            family.add_metric([self.model_name], self.stats.get(key, 0))
+            family = CounterMetricFamily(name, documentation, labels=["model_name", "replica"])
+            for index, stats in enumerate(replica_stats(self.stats)):
+                family.add_metric([self.model_name, str(index)], stats.get(key, 0))
             yield family
 
 
@@ -49,8 +56,8 @@ class ServerMetrics:
         labels = {"model_name": model_name}
         self._labels = labels
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, list(labels), registry=self.registry)
+        def engine_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, [*labels, "replica"], registry=self.registry)
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -73,10 +80,12 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "strata:generation_tokens", "Tokens generated.", list(labels), registry=self.registry
         )
-        self.num_running = gauge("strata:num_requests_running", "Sequences in the running batch.")
-        self.num_waiting = gauge("strata:num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.kv_cache_usage = gauge("strata:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
-        self.forward_passes = gauge("strata:num_forward_passes", "Forward passes run by the engine.")
+        self.num_running = engine_gauge("strata:num_requests_running", "Sequences in the running batch.")
+        self.num_waiting = engine_gauge("strata:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage = engine_gauge(
+            "strata:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."
+        )
+        self.forward_passes = engine_gauge("strata:num_forward_passes", "Forward passes run by the engine.")
         self.ttft = histogram("strata:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("strata:inter_token_latency_seconds", "Time between a request's outputs.")
         self.e2e = histogram("strata:e2e_request_latency_seconds", "Arrival to finish of a request.")
@@ -102,9 +111,11 @@ class ServerMetrics:
 
     def render(self, stats: dict[str, Any]) -> bytes:
         """The Prometheus text exposition, with engine gauges taken from `stats` now."""
-        self.num_running.labels(**self._labels).set(stats["num_running"])
-        self.num_waiting.labels(**self._labels).set(stats["num_waiting"])
-        self.kv_cache_usage.labels(**self._labels).set(stats["kv_cache_usage"])
-        self.forward_passes.labels(**self._labels).set(stats["num_forward_passes"])
+        for index, replica in enumerate(replica_stats(stats)):
+            labels = {**self._labels, "replica": str(index)}
+            self.num_running.labels(**labels).set(replica["num_running"])
+            self.num_waiting.labels(**labels).set(replica["num_waiting"])
+            self.kv_cache_usage.labels(**labels).set(replica["kv_cache_usage"])
+            self.forward_passes.labels(**labels).set(replica["num_forward_passes"])
         self._engine_counters.stats = stats
         return generate_latest(self.registry)
