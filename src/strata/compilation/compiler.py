@@ -29,6 +29,7 @@ from strata.compilation.backend import (
 from strata.compilation.layer_name import LAYER_NAME_ATTR, LayerName
 from strata.compilation.passes import PassManager
 from strata.config import ConfigError, EngineConfig
+from strata.distributed.parallel_state import pp_rank, pp_world_size
 from strata.process_local import ProcessLocal
 
 logger = logging.getLogger("strata.compilation")
@@ -49,6 +50,8 @@ def cache_key(config: EngineConfig) -> str:
         "use_layer_name": compilation.use_layer_name,
         "passes": [name for name in platform.graph_passes() if compilation.pass_enabled(name)],
         "device": config.device,
+        # Pipeline stages hold different layers, so their graphs differ.
+        "pipeline_stage": [pp_rank(), pp_world_size()],
         # The traced graph calls the platform's kernel ops, with the schemas their sources define.
         "platform": platform.compile_cache_key(),
         "inductor": sorted(
@@ -67,6 +70,19 @@ def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
     return model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep).logits[0]
 
 
+def _hidden_forward(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+) -> Any:
+    """A pipeline stage before the last: the base model's hidden states of every token (`keep` unused)."""
+    torch._check(input_ids.shape[1] > 0)
+    return model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+
+
+def model_forward(hidden: bool) -> Callable[..., Any]:
+    """The forward of a model's last pipeline stage (logits of the kept rows), or of one before it."""
+    return _hidden_forward if hidden else _forward
+
+
 def _layer_forward(
     layer: nn.Module, hidden_states: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -80,13 +96,19 @@ def _fresh(fn: Any, name: str) -> Any:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder layers: the longest `ModuleList` whose entries each hold one attention layer."""
+    """The repeated decoder layers this process runs: the longest `ModuleList` whose entries each hold one
+    attention layer, less those another pipeline stage runs."""
     best: list[nn.Module] = []
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > len(best):
-            counts = [sum(hasattr(m, LAYER_NAME_ATTR) for m in layer.modules()) for layer in module]
-            if counts and all(count == 1 for count in counts):
-                best = list(module)
+        local = (
+            [layer for layer in module if not getattr(layer, "is_other_stage", False)]
+            if isinstance(module, nn.ModuleList)
+            else []
+        )
+        if len(local) > len(best):
+            counts = [sum(hasattr(m, LAYER_NAME_ATTR) for m in layer.modules()) for layer in local]
+            if all(count == 1 for count in counts):
+                best = local
     return best
 
 
@@ -344,7 +366,8 @@ class CompiledForward:
     code (`DirectForward`); mode "layer" still runs it for each layer.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, config: EngineConfig, hidden: bool = False) -> None:
+        """`hidden`: the model is a pipeline stage before the last, which returns hidden states."""
         compilation = config.compilation_config
         cache_dir = Path(compilation.cache_dir) / cache_key(config) if compilation.use_cache else None
         platform = config.platform
@@ -353,6 +376,7 @@ class CompiledForward:
         self.backend = StrataBackend(self.passes, platform, cache_dir, compilation.inductor_compile_config)
         self.model = model
         self.evaluate_guards = compilation.evaluate_guards
+        self._eager = model_forward(hidden)
 
         def traced(name: str, fn: Any) -> TracedFunction:
             return TracedFunction(_fresh(fn, name), self.backend, cache_dir, compilation.evaluate_guards)
@@ -362,7 +386,7 @@ class CompiledForward:
         self._direct: DirectForward | None = None
         self._direct_tried = False
         if compilation.mode == "model":
-            self._forward = traced("strata_forward", _forward)
+            self._forward = traced("strata_stage_forward" if hidden else "strata_forward", self._eager)
         else:
             self._compile_layers(model, compilation.use_layer_name, traced)
         if self.stats.loaded:  # one line for everything the saved traces brought
@@ -392,7 +416,7 @@ class CompiledForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         if self._forward is None:
-            return _forward(self.model, input_ids, positions, keep)
+            return self._eager(self.model, input_ids, positions, keep)
         if self._trace is None or self.evaluate_guards:
             # The token dim of input_ids and positions ([1, tokens]) and the kept rows (1-D) vary per step.
             args = (self.model, input_ids, positions, keep)

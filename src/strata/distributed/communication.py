@@ -1,6 +1,7 @@
-"""The collectives of tensor-parallel layers, as Strata custom ops: eager forwards call them as they are,
-and torch.compile keeps each as one opaque node of the graph (Inductor cannot lower collectives over a
-token count it only knows at run time), so a sharded layer still compiles once."""
+"""How an engine's ranks talk: the collectives of tensor-parallel layers, as Strata custom ops (eager
+forwards call them as they are, and torch.compile keeps each as one opaque node of the graph: Inductor
+cannot lower collectives over a token count it only knows at run time, so a sharded layer still compiles
+once); messages between pipeline stages; and the engine's own exchanges of plans and settings."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from strata.distributed.parallel_state import local_communicator, tp_group, tp_world_size
+from strata.distributed.parallel_state import (
+    local_channel,
+    local_communicator,
+    rank,
+    tp_group,
+    tp_world_size,
+    world_size,
+)
 from strata.distributed.shared_memory import TOO_LARGE
 
 T = TypeVar("T")
@@ -86,16 +94,50 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
 
 
 def gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
-    gathered: list[Any] = [None] * tp_world_size()
-    dist.all_gather_object(gathered, obj, group=tp_group())
+    """Every rank's `obj`, in rank order, on every rank of the engine."""
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
     return gathered
 
 
 def min_over_ranks(value: int) -> int:
-    """The smallest of the ranks' `value`s (what every rank can afford)."""
-    if tp_world_size() == 1:
+    """The smallest of the engine's ranks' `value`s (what every rank can afford)."""
+    if world_size() == 1:
         return value
     tensor = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=tp_group())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
+
+
+def send_to(receiver: int, obj: Any, tensor: torch.Tensor | None = None) -> None:
+    """Send `obj` (pickled) and `tensor` to rank `receiver`, which takes them with `receive_from`."""
+    channel = local_channel(rank(), receiver)
+    if channel is not None:
+        return _timed(lambda: channel.send(obj, tensor))
+    meta = None if tensor is None else (tensor.dtype, tuple(tensor.shape))
+
+    def send() -> None:
+        dist.send_object_list([obj, meta], dst=receiver)
+        if tensor is not None:
+            dist.send(tensor.contiguous(), dst=receiver)
+
+    _timed(send)
+
+
+def receive_from(sender: int) -> tuple[Any, torch.Tensor | None]:
+    """The next object and tensor (None if it sent none) rank `sender` sent this rank."""
+    channel = local_channel(sender, rank())
+    if channel is not None:
+        return _timed(channel.receive)
+
+    def receive() -> tuple[Any, torch.Tensor | None]:
+        holder: list[Any] = [None, None]
+        dist.recv_object_list(holder, src=sender)
+        obj, meta = holder
+        if meta is None:
+            return obj, None
+        tensor = torch.empty(meta[1], dtype=meta[0])
+        dist.recv(tensor, src=sender)
+        return obj, tensor
+
+    return _timed(receive)

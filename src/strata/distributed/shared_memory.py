@@ -14,6 +14,7 @@ other architectures use gloo.
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 import platform
 import time
@@ -30,6 +31,8 @@ _SUPPORTED_MACHINES = {"x86_64", "AMD64"}
 # What `broadcast_object` returns when the object does not fit a slot.
 TOO_LARGE = object()
 _TOO_LARGE_LENGTH = 2**63 - 1
+# A channel message's header size, and the alignment of the tensor bytes after its pickled object.
+_ALIGN = 16
 # How often a waiting collective asks the watchdog whether a rank died.
 _WATCH_SECONDS = 0.1
 # A collective spins this long (the other ranks are a few microseconds behind within a step), then
@@ -42,26 +45,20 @@ def supported() -> bool:
     return platform.machine() in _SUPPORTED_MACHINES
 
 
-class SharedMemoryCommunicator:
-    """All-reduce, all-gather and broadcast of up to `slot_bytes` between `world` local ranks."""
+class _SharedSegment:
+    """A shared-memory segment that rank 0 creates (`name` None) and the others attach to by the name rank
+    0 sent them, and the bounded wait its users spin in."""
 
-    def __init__(self, rank: int, world: int, name: str | None, slot_bytes: int, timeout: float) -> None:
-        self.rank, self.world, self.slot_bytes, self.timeout = rank, world, slot_bytes, timeout
-        flag_bytes = world * _FLAG_STRIDE * 8
-        size = flag_bytes + 2 * world * slot_bytes
-        # Rank 0 creates the segment (name None); the others attach to it by the name rank 0 sent them.
+    def __init__(self, name: str | None, size: int, timeout: float) -> None:
+        self.timeout = timeout
         self.segment = shared_memory.SharedMemory(name=name, create=name is None, size=size)
         self.name = self.segment.name
-        if name is not None:
-            # Attaching registers the segment for removal at this process's exit too: rank 0 owns it.
+        if name is not None and multiprocessing.parent_process() is None:
+            # Attaching registers the segment for removal at this process's exit too: rank 0 owns it. (A
+            # rank rank 0 spawned shares its resource tracker, where the name is rank 0's to remove.)
             resource_tracker.unregister(self.segment._name, "shared_memory")  # type: ignore[attr-defined]
-        self.flags = np.ndarray((world, _FLAG_STRIDE), dtype=np.int64, buffer=self.segment.buf)
-        if name is None:
-            self.flags[:] = 0
-        self.data = torch.frombuffer(self.segment.buf, dtype=torch.uint8, offset=flag_bytes)
-        self.sequence = 0
-        # Says which rank died (None: all alive); asked while a collective waits, so a dead rank fails
-        # the others at once instead of after the timeout.
+        # Says which rank died (None: all alive); asked while a wait goes on, so a dead rank fails the
+        # others at once instead of after the timeout.
         self.watchdog: Callable[[], str | None] | None = None
 
     def unlink(self) -> None:
@@ -69,8 +66,43 @@ class SharedMemoryCommunicator:
         self.segment.unlink()
 
     def close(self) -> None:
-        del self.data, self.flags
         self.segment.close()
+
+    def _wait(self, ready: Callable[[], bool], waiting_for: Callable[[], str]) -> None:
+        """Spin until `ready()`, then sleep between looks; past the timeout, fail saying what it was
+        `waiting_for`; a rank the watchdog finds dead fails it at once."""
+        if ready():
+            return
+        now = time.monotonic()
+        spin_until, deadline, next_check = now + _SPIN_SECONDS, now + self.timeout, now + _WATCH_SECONDS
+        while not ready():
+            now = time.monotonic()
+            if now > spin_until:
+                time.sleep(_IDLE_SLEEP_SECONDS)  # a long wait (an idle engine): stop burning the core
+            if now > deadline:
+                raise TimeoutError(f"{waiting_for()} within {self.timeout} s")
+            if now > next_check and self.watchdog is not None:
+                next_check = now + _WATCH_SECONDS
+                if (dead := self.watchdog()) is not None:
+                    raise RuntimeError(f"a collective cannot complete: {dead}")
+
+
+class SharedMemoryCommunicator(_SharedSegment):
+    """All-reduce, all-gather and broadcast of up to `slot_bytes` between `world` local ranks."""
+
+    def __init__(self, rank: int, world: int, name: str | None, slot_bytes: int, timeout: float) -> None:
+        self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
+        flag_bytes = world * _FLAG_STRIDE * 8
+        super().__init__(name, flag_bytes + 2 * world * slot_bytes, timeout)
+        self.flags = np.ndarray((world, _FLAG_STRIDE), dtype=np.int64, buffer=self.segment.buf)
+        if name is None:
+            self.flags[:] = 0
+        self.data = torch.frombuffer(self.segment.buf, dtype=torch.uint8, offset=flag_bytes)
+        self.sequence = 0
+
+    def close(self) -> None:
+        del self.data, self.flags
+        super().close()
 
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
@@ -87,27 +119,14 @@ class SharedMemoryCommunicator:
         parity = self.sequence % 2
         self._slot(parity, self.rank, payload.numel()).copy_(payload)
         self.flags[self.rank, 0] = self.sequence
-        deadline = next_check = None
-        while True:
-            arrived = self.flags[:, 0] >= self.sequence
-            if arrived.all():
-                return parity
-            now = time.monotonic()
-            if deadline is None:
-                spin_until = now + _SPIN_SECONDS
-                deadline, next_check = now + self.timeout, now + _WATCH_SECONDS
-                continue
-            if now > spin_until:
-                time.sleep(_IDLE_SLEEP_SECONDS)  # a long wait (an idle engine): stop burning the core
-            if now > deadline:
-                missing = [rank for rank in range(self.world) if not arrived[rank]]
-                raise TimeoutError(
-                    f"tensor-parallel ranks {missing} did not reach a collective within {self.timeout} s"
-                )
-            elif now > next_check and self.watchdog is not None:
-                next_check = now + _WATCH_SECONDS
-                if (dead := self.watchdog()) is not None:
-                    raise RuntimeError(f"a collective cannot complete: {dead}")
+        self._wait(
+            lambda: bool((self.flags[:, 0] >= self.sequence).all()),
+            lambda: (
+                f"tensor-parallel ranks {np.flatnonzero(self.flags[:, 0] < self.sequence).tolist()} "
+                "did not reach a collective"
+            ),
+        )
+        return parity
 
     def _gathered(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x` (same shape and dtype on all), as views of the segment."""
@@ -145,3 +164,74 @@ class SharedMemoryCommunicator:
         if self.rank == src:
             return obj
         return pickle.loads(bytes(self._slot(parity, src, 8 + length).numpy()[8:]))
+
+
+class SharedMemoryChannel(_SharedSegment):
+    """Messages from one local rank to another (a pipeline stage to the next): a ring of `num_slots`
+    chunks of `slot_bytes`, so a message of any size streams through while the receiver copies it out.
+
+    The sender's count of chunks written and the receiver's count of chunks read sit on their own cache
+    lines; the sender waits while the ring is full, the receiver while it is empty. A message is an
+    object (pickled) and a tensor's raw bytes: [object length, tensor length][object][tensor bytes]."""
+
+    def __init__(self, name: str | None, slot_bytes: int, num_slots: int, timeout: float, peer: str) -> None:
+        self.slot_bytes, self.num_slots, self.peer = slot_bytes, num_slots, peer
+        flag_bytes = 2 * _FLAG_STRIDE * 8
+        super().__init__(name, flag_bytes + num_slots * slot_bytes, timeout)
+        self.flags = np.ndarray((2, _FLAG_STRIDE), dtype=np.int64, buffer=self.segment.buf)
+        if name is None:
+            self.flags[:] = 0
+        self.data = torch.frombuffer(self.segment.buf, dtype=torch.uint8, offset=flag_bytes)
+
+    def close(self) -> None:
+        del self.data, self.flags
+        super().close()
+
+    def _slot(self, chunk: int) -> torch.Tensor:
+        start = (chunk % self.num_slots) * self.slot_bytes
+        return self.data[start : start + self.slot_bytes]
+
+    def send(self, obj: Any, tensor: torch.Tensor | None = None) -> None:
+        """Send `obj` and (a copy of) `tensor` to the receiving rank."""
+        data = torch.empty(0, dtype=torch.uint8)
+        meta = None
+        if tensor is not None:
+            tensor = tensor.detach().contiguous()
+            data, meta = tensor.view(-1).view(torch.uint8), (tensor.dtype, tuple(tensor.shape))
+        raw = pickle.dumps((obj, meta), protocol=pickle.HIGHEST_PROTOCOL)
+        padded = -(-len(raw) // _ALIGN) * _ALIGN  # the tensor's bytes start aligned for any dtype
+        header = torch.tensor([padded, data.numel()], dtype=torch.int64).view(torch.uint8)
+        pickled = torch.zeros(padded, dtype=torch.uint8)
+        pickled[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        message = torch.cat([header, pickled, data])
+        written = int(self.flags[0, 0])
+        for offset in range(0, message.numel(), self.slot_bytes):
+            self._wait(
+                lambda written=written: written - int(self.flags[1, 0]) < self.num_slots,
+                lambda: f"{self.peer} did not take a message",
+            )
+            chunk = message[offset : offset + self.slot_bytes]
+            self._slot(written)[: chunk.numel()].copy_(chunk)
+            written += 1
+            self.flags[0, 0] = written
+
+    def receive(self) -> tuple[Any, torch.Tensor | None]:
+        """The next message: its object and its tensor (None when it was sent without one)."""
+        read = int(self.flags[1, 0])
+        self._wait(lambda: int(self.flags[0, 0]) > read, lambda: f"{self.peer} sent nothing")
+        object_bytes, tensor_bytes = self._slot(read)[:_ALIGN].clone().view(torch.int64).tolist()
+        message = torch.empty(_ALIGN + object_bytes + tensor_bytes, dtype=torch.uint8)
+        for offset in range(0, message.numel(), self.slot_bytes):
+            if offset:
+                self._wait(
+                    lambda read=read: int(self.flags[0, 0]) > read, lambda: f"{self.peer} sent half a message"
+                )
+            chunk = message[offset : offset + self.slot_bytes]
+            chunk.copy_(self._slot(read)[: chunk.numel()])
+            read += 1
+            self.flags[1, 0] = read
+        obj, meta = pickle.loads(message[_ALIGN : _ALIGN + object_bytes].numpy().tobytes())
+        if meta is None:
+            return obj, None
+        dtype, shape = meta
+        return obj, message[_ALIGN + object_bytes :].view(dtype).view(shape)

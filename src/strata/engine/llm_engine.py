@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict
@@ -20,7 +21,7 @@ from strata.config import ConfigError, EngineConfig
 from strata.distributed.communication import collective_seconds
 from strata.engine.block_manager import BlockManager
 from strata.engine.detokenizer import IncrementalDetokenizer
-from strata.engine.scheduler import ScheduledSequence, Scheduler
+from strata.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.engine.token_text import TokenTexts
 from strata.gguf_file import find_gguf
@@ -37,6 +38,7 @@ from strata.sample import (
 from strata.sampling_params import SamplingParams, SamplingParamsError
 from strata.structured_output import StructuredOutputError, StructuredOutputManager
 from strata.worker.model_runner import ModelOutput, ModelRunner
+from strata.worker.pipeline_parallel import PipelineParallelRunner
 from strata.worker.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger("strata.engine")
@@ -63,14 +65,25 @@ def load_tokenizer(path: str) -> Any:
         ) from exc
 
 
+def _runner(config: EngineConfig) -> ModelRunner:
+    """The model runner of an engine of one process, or rank 0's of a multi-process one."""
+    parallel = config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        return PipelineParallelRunner(config)
+    if parallel.tensor_parallel_size > 1:
+        return TensorParallelRunner(config)
+    return ModelRunner(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_config = config.model_config
         self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-        parallel = config.parallel_config.tensor_parallel_size > 1
-        self.runner = TensorParallelRunner(config) if parallel else ModelRunner(config)
+        self.runner = _runner(config)
+        # Steps submitted to a pipeline and not collected yet, oldest first.
+        self._in_flight: deque[SchedulerOutput] = deque()
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         cache = config.cache_config
@@ -216,22 +229,54 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.runner.pipeline_depth > 1:
+            return self._pipelined_step()
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
-        model_output = self.runner.execute(schedule.scheduled)
+        return self._complete(schedule, self.runner.execute(schedule.scheduled))
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Start the next step while earlier ones are still in the pipeline's later stages; complete the
+        oldest once every stage has one, or when nothing new can start (all in flight)."""
+        runner = self.runner
+        depth = runner.pipeline_depth
+        # Each step takes its share of the sequences, so that every stage has a step to run.
+        schedule = self.scheduler.schedule(max_seqs=-(-self.scheduler.num_unfinished // depth))
+        if not schedule.is_empty:
+            runner.submit(schedule.scheduled)
+            for item in schedule.scheduled:
+                item.seq.in_flight = True
+            self._in_flight.append(schedule)
+        if not self._in_flight or (len(self._in_flight) < depth and not schedule.is_empty):
+            return []
+        oldest = self._in_flight.popleft()
+        for item in oldest.scheduled:
+            item.seq.in_flight = False
+        return self._complete(oldest, runner.collect())
+
+    def _complete(self, schedule: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
+        """Sample after a step's forward, advance its sequences and report the requests it moved."""
         self.num_forward_passes += 1
         self.num_forward_tokens += schedule.num_tokens
+        # Sequences aborted while their step was in flight (pipeline parallel) are skipped.
+        gone = {item.seq.seq_id for item in schedule.scheduled if item.seq.is_finished}
         sampling = [item for item in schedule.scheduled if item.samples]
-        failed = self._grammar_failures(sampling)
-        sampled = [item for index, item in enumerate(sampling) if index not in failed]
-        sampled_tokens, sampled_logprobs = self._sample(sampled, model_output, failed)
+        failed = {
+            index: error
+            for index, error in self._grammar_failures(sampling).items()
+            if sampling[index].seq.seq_id not in gone
+        }
+        skipped = failed.keys() | {index for index, item in enumerate(sampling) if item.seq.seq_id in gone}
+        sampled = [item for index, item in enumerate(sampling) if index not in skipped]
+        sampled_tokens, sampled_logprobs = self._sample(sampled, model_output, skipped)
         self._record_prompt_logprobs(schedule.scheduled, model_output)
         for item in schedule.scheduled:
             seq = item.seq
-            computed_before = seq.num_computed_tokens
-            seq.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_full_blocks(seq, computed_before)
+            if seq.seq_id not in gone:
+                computed_before = seq.num_computed_tokens
+                seq.num_computed_tokens += item.num_tokens
+                self.block_manager.cache_full_blocks(seq, computed_before)
         for index, error in failed.items():
             logger.error("request %s aborted: %s", sampling[index].seq.request.request_id, error)
             self.scheduler.finish(sampling[index].seq, SequenceStatus.FINISHED_ABORTED)
@@ -242,7 +287,9 @@ class LLMEngine:
                 seq.request.first_token_time = now
             self._append_token(seq, token, token_logprobs)
         # Every request that was to sample is reported, also one whose grammar failed.
-        touched = {item.seq.request.request_id: item.seq.request for item in sampling}
+        touched = {
+            item.seq.request.request_id: item.seq.request for item in sampling if item.seq.seq_id not in gone
+        }
         outputs = []
         for request in touched.values():
             finished = request.is_finished
@@ -295,6 +342,8 @@ class LLMEngine:
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], model_output: ModelOutput) -> None:
         for index, (first_row, count) in model_output.prompt_rows.items():
             item = scheduled[index]
+            if item.seq.is_finished:
+                continue
             seq, request = item.seq, item.seq.request
             assert request.prompt_logprobs is not None and request.params.prompt_logprobs is not None
             targets = torch.tensor(seq.token_ids[item.start + 1 : item.start + 1 + count], dtype=torch.int64)
@@ -408,7 +457,7 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        """Stop the engine's other processes (tensor-parallel ranks); a one-process engine has none."""
+        """Stop the engine's other processes (its ranks); a one-process engine has none."""
         if isinstance(self.runner, TensorParallelRunner):
             self.runner.shutdown()
 

@@ -131,17 +131,24 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step's work: at most `max_seqs` sequences (all that fit by default), none of those in
+        a step still in flight."""
         out = SchedulerOutput()
+        max_seqs = max_seqs if max_seqs is not None else self.max_num_seqs
         fairness_preemptions = self._make_room_for_starved_requests()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             seq = self.running[i]
+            if seq.in_flight:
+                i += 1
+                continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_tokens):
-                victim = self.running.pop()  # newest first
+                # Newest first; never one in flight, whose step writes its blocks (`seq` itself is not).
+                victim = next(s for s in reversed(self.running) if not s.in_flight)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
@@ -149,13 +156,18 @@ class Scheduler:
             else:
                 self.block_manager.append_slots(seq, num_tokens)
                 out.scheduled.append(ScheduledSequence(seq, num_tokens))
-                scheduled_ids.add(seq.seq_id)
                 budget -= num_tokens
                 i += 1
         # Admit new work only when nothing had to be preempted: otherwise it would take the freed blocks.
         # Running counts per request order the admissions; one waiting request needs none.
         running = Counter(s.request for s in self.running) if self.waiting.num_requests > 1 else None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.num_preempted:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(out.scheduled) < max_seqs
+            and not out.num_preempted
+        ):
             seq = self.waiting.next(running)
             self.block_manager.allocate_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -193,7 +205,11 @@ class Scheduler:
             richest, count = running.most_common(1)[0]
             if count < 2:
                 break
-            victim = next(seq for seq in reversed(self.running) if seq.request is richest)
+            victim = next(
+                (seq for seq in reversed(self.running) if seq.request is richest and not seq.in_flight), None
+            )
+            if victim is None:
+                break
             self.running.remove(victim)
             self._preempt(victim)
             running[richest] -= 1

@@ -72,6 +72,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="processes the model is sharded over, each with its share of the cores (default: 1)",
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages the decoder layers are split over, a process each (default: 1)",
+    )
     add_layer_arguments(parser)
 
 
@@ -88,6 +95,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer": args.tokenizer,
         "gguf_dequantize": args.gguf_dequantize,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         **layer_config_kwargs(args),
     }
 

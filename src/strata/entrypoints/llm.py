@@ -85,6 +85,7 @@ def engine_config(
     gguf_dequantize: bool = False,
     adaptive_threads: bool | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
     distributed_timeout: float = 120.0,
 ) -> EngineConfig:
     """The configuration of an engine with `LLM`'s options (each checked)."""
@@ -122,7 +123,9 @@ def engine_config(
         ),
         compilation_config=_compilation_config(compile, compilation_config),
         parallel_config=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size, distributed_timeout=distributed_timeout
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_timeout=distributed_timeout,
         ),
         adaptive_threads=adaptive_threads,
     )
@@ -209,7 +212,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
-        """Stop the engine's other processes (its tensor-parallel ranks); the LLM cannot generate after."""
+        """Stop the engine's other processes (its ranks); the LLM cannot generate after."""
         self.engine.shutdown()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:

@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
-from strata.compilation.compiler import CompiledForward
+from strata.compilation.compiler import CompiledForward, model_forward
 from strata.config import ConfigError, EngineConfig
+from strata.distributed.parallel_state import pp_rank, pp_world_size
 from strata.models.transformers.loader import build_model
+from strata.models.transformers.pipeline_parallel import set_stage_input
 
 logger = logging.getLogger("strata.worker")
 
@@ -140,6 +142,9 @@ class ModelRunner:
     """Builds the model on the engine's platform, owns its KV cache and runs one step at a time. Everything
     that depends on the hardware (kernels, the attention backend, memory, threads) it asks the platform."""
 
+    # Steps that may be in flight at once (a pipeline's stages); one runs each step to its end.
+    pipeline_depth = 1
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = platform = config.platform
@@ -153,11 +158,13 @@ class ModelRunner:
             config.model_config, config.layer_config, platform, bool(compilation.use_layer_name)
         )
         self.model.to(self.device)
+        # A pipeline stage before the last returns hidden states for the next stage, not logits.
+        self.last_stage = pp_rank() == pp_world_size() - 1
         self.compiled: CompiledForward | None = None
         if compilation.compile:
             if wait_for_warmup is not None:
                 wait_for_warmup()
-            self.compiled = CompiledForward(self.model, config)
+            self.compiled = CompiledForward(self.model, config, hidden=not self.last_stage)
         self.thread_policy = platform.thread_policy(bool(config.adaptive_threads))
         self._staging = StepStaging()
         self.kv_cache_dtype = config.cache_config.cache_dtype(config.model_config.torch_dtype)
@@ -291,24 +298,32 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
         return self.run(self.plan(scheduled))
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> ModelOutput:
         """The forward of one planned step: logits of the rows the plan keeps."""
+        return ModelOutput(
+            logits=self.forward(plan), sample_rows=plan.sample_rows, prompt_rows=plan.prompt_rows
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan, stage_input: torch.Tensor | None = None) -> torch.Tensor:
+        """This process's part of a planned step: the logits of the rows the plan keeps, or, on a pipeline
+        stage before the last, the hidden states of every token. A stage past the first starts from the
+        previous stage's output, `stage_input`."""
         start = time.perf_counter()
         input_ids, positions, keep, metadata = self._stage(plan)
+        if stage_input is not None:
+            set_stage_input(stage_input)
         policy = self.thread_policy
         threads = policy.enter() if policy is not None else None
         try:
             with set_forward_context(metadata, self.kv_caches, self.attn_backend):
                 if self.compiled is not None:
-                    logits = self.compiled(input_ids, positions, keep)
+                    output = self.compiled(input_ids, positions, keep)
                 else:
-                    logits = self.model(
-                        input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep
-                    ).logits[0]
+                    output = model_forward(not self.last_stage)(self.model, input_ids, positions, keep)
         finally:
             if policy is not None:
                 policy.exit(threads)
         if policy is not None:
             policy.observe((len(plan.seq_lens), input_ids.shape[1]), time.perf_counter() - start)
-        return ModelOutput(logits=logits, sample_rows=plan.sample_rows, prompt_rows=plan.prompt_rows)
+        return output

@@ -1,11 +1,13 @@
-"""A tensor-parallel engine's ranks: rank 0 runs in the engine's process, the others in processes it spawns
+"""A multi-process engine's ranks: rank 0 runs in the engine's process, the others in processes it spawns
 on this machine, or that torchrun started (on this machine or others) running `run_rank`.
 
-Every rank builds the model sharded for itself (`models.transformers.tensor_parallel`) and its share of
-the KV cache. Rank 0 schedules and samples: each step it plans the inputs (plain lists), broadcasts the
-plan over the process group, and all ranks run the same forward, meeting in the sharded layers'
-collectives; rank 0 keeps the logits. A rank that fails to build reports why before the engine starts,
-so the error names it; at shutdown rank 0 broadcasts `None` and the others exit.
+Every rank builds its part of the model (`models.transformers.tensor_parallel` shards it,
+`models.transformers.pipeline_parallel` splits it into stages) and its share of the KV cache. Rank 0
+schedules and samples: each step it plans the inputs (plain lists) and sends the plan to the other
+ranks. With tensor parallelism all ranks run the same forward, meeting in the sharded layers'
+collectives, and rank 0 keeps the logits (here); pipeline stages pass the plan on with their activations
+(`worker.pipeline_parallel`). A rank that fails to build reports why before the engine starts, so the
+error names it; at shutdown rank 0 sends `None` and the others exit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import multiprocessing
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 import torch
@@ -25,8 +28,8 @@ from strata.distributed.communication import broadcast_object, gather_objects, m
 from strata.distributed.parallel_state import (
     free_local_init_method,
     init_distributed,
-    local_communicator,
     same_machine,
+    set_watchdog,
     shutdown_distributed,
     torchrun_rank,
 )
@@ -45,16 +48,19 @@ class RankFailedError(RuntimeError):
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: spawns ranks 1..N-1 on this machine, builds its own shard, and sends each step's
-    plan to the other ranks before running it."""
+    """Rank 0's runner: spawns ranks 1..N-1 on this machine, builds its own part of the model, and sends
+    each step's plan to the other ranks before running it (broadcast to tensor-parallel ranks, which all
+    run the step with it; `PipelineParallelRunner` passes it down the stages instead)."""
+
+    KIND = "tensor-parallel"
 
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel_config
         if torch.distributed.is_initialized():
             raise ConfigError(
-                "another tensor-parallel engine runs in this process: shut it down first (LLM.shutdown())"
+                "another multi-process engine runs in this process: shut it down first (LLM.shutdown())"
             )
-        self.world_size = world = parallel.tensor_parallel_size
+        self.world_size = world = parallel.world_size
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._reports: list[Connection] = []
         self._running = self._failed = False
@@ -84,10 +90,10 @@ class TensorParallelRunner(ModelRunner):
         torch.set_num_threads(threads)
         try:
             init_distributed(
-                config.platform.distributed_backend, init_method, 0, world, parallel.distributed_timeout, True
-            )
-            if (local := local_communicator()) is not None:
-                local.watchdog = self._dead_rank
+                config.platform.distributed_backend, init_method, 0, world, parallel.distributed_timeout, True,
+                parallel.pipeline_parallel_size,
+            )  # fmt: skip
+            set_watchdog(self._dead_rank)
             super().__init__(config)
             self._wait_for_ranks(parallel.distributed_timeout)
             agree_on_kv_cache(self)
@@ -96,7 +102,7 @@ class TensorParallelRunner(ModelRunner):
             self._stop_processes()
             raise
         self._start_keepalive(parallel.distributed_timeout)
-        logger.info("tensor parallel: %d ranks, %d threads each", world, threads)
+        logger.info("%s: %d ranks, %d threads each", self.KIND, world, threads)
 
     def _join_launched_ranks(self, config: EngineConfig, rank: int, world: int) -> None:
         """Rank 0 of ranks torchrun started: the others run `run_rank` (the CLI sends them there)."""
@@ -104,7 +110,7 @@ class TensorParallelRunner(ModelRunner):
         if world != self.world_size or rank != 0:
             raise ConfigError(
                 f"torchrun started this process as rank {rank} of {world}, but the engine is rank 0 of "
-                f"tensor_parallel_size={self.world_size}: launch as many processes as the model has ranks"
+                f"{self.world_size} ranks: launch as many processes as the model has ranks"
             )
         init_distributed(
             config.platform.distributed_backend,
@@ -113,6 +119,7 @@ class TensorParallelRunner(ModelRunner):
             world,
             parallel.distributed_timeout,
             same_machine(),
+            parallel.pipeline_parallel_size,
         )
         super().__init__(config)
         failed = [
@@ -122,10 +129,10 @@ class TensorParallelRunner(ModelRunner):
         ]
         if failed:
             rank, detail = failed[0]
-            raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+            raise ConfigError(f"{self.KIND} rank {rank} failed to start: {detail}")
         agree_on_kv_cache(self)
         self._start_keepalive(parallel.distributed_timeout)
-        logger.info("tensor parallel: %d ranks launched by torchrun", world)
+        logger.info("%s: %d ranks launched by torchrun", self.KIND, world)
 
     def _wait_for_ranks(self, timeout: float) -> None:
         """Until every other rank has built its shard; the first that failed or died is an error naming it."""
@@ -136,15 +143,13 @@ class TensorParallelRunner(ModelRunner):
                 if report.poll():
                     status, detail = report.recv()
                     if status != "ready":
-                        raise ConfigError(f"tensor-parallel rank {rank} failed to start: {detail}")
+                        raise ConfigError(f"{self.KIND} rank {rank} failed to start: {detail}")
                     del pending[rank]
                 elif not self._processes[rank - 1].is_alive():
                     code = self._processes[rank - 1].exitcode
-                    raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code} while starting")
+                    raise RuntimeError(f"{self.KIND} rank {rank} exited with code {code} while starting")
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"tensor-parallel ranks {sorted(pending)} did not start within {timeout} s"
-                )
+                raise TimeoutError(f"{self.KIND} ranks {sorted(pending)} did not start within {timeout} s")
             time.sleep(_POLL_SECONDS)
 
     def _start_keepalive(self, timeout: float) -> None:
@@ -160,28 +165,35 @@ class TensorParallelRunner(ModelRunner):
                     if self._running and time.monotonic() - self._last_message > interval:
                         self._send(KEEPALIVE)
 
-        threading.Thread(target=keep_alive, name="strata-tp-keepalive", daemon=True).start()
+        threading.Thread(target=keep_alive, name="strata-rank-keepalive", daemon=True).start()
 
     def _send(self, message: object) -> None:
+        """Send a plan (or a control message) to the other ranks."""
         broadcast_object(message)
         self._last_message = time.monotonic()
 
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
-        with self._lock:
-            if not self._running:
-                raise RankFailedError("the tensor-parallel ranks are stopped")
+        with self._lock, self._failing_for_good():
             plan = self.plan(scheduled)
-            try:
-                self._send(plan)
-                return self.run(plan)
-            except Exception as exc:  # the ranks are out of step now: the engine cannot go on
-                self._running, self._failed = False, True
-                raise RankFailedError(self._failure(exc)) from exc
+            self._send(plan)
+            return self.run(plan)
+
+    @contextmanager
+    def _failing_for_good(self) -> Iterator[None]:
+        """Around an exchange with the other ranks: any error leaves them out of step, so the engine
+        cannot go on; it becomes a RankFailedError naming the rank to blame."""
+        if not self._running:
+            raise RankFailedError(f"the {self.KIND} ranks are stopped")
+        try:
+            yield
+        except Exception as exc:
+            self._running, self._failed = False, True
+            raise RankFailedError(self._failure(exc)) from exc
 
     def _dead_rank(self) -> str | None:
         for rank, process in enumerate(self._processes, start=1):
             if not process.is_alive():
-                return f"tensor-parallel rank {rank} died (exit code {process.exitcode})"
+                return f"{self.KIND} rank {rank} died (exit code {process.exitcode})"
         return None
 
     def _failure(self, exc: Exception) -> str:
@@ -191,7 +203,7 @@ class TensorParallelRunner(ModelRunner):
             process.join(timeout=1)  # a rank that just died may still be exiting
         if (dead := self._dead_rank()) is not None:
             return f"{dead} during a step"
-        return f"a tensor-parallel step failed on rank 0 with every rank running: {type(exc).__name__}: {exc}"
+        return f"a {self.KIND} step failed on rank 0 with every rank running: {type(exc).__name__}: {exc}"
 
     def shutdown(self) -> None:
         """Tell the other ranks to exit and wait for them (kill those that cannot be told)."""
@@ -200,9 +212,9 @@ class TensorParallelRunner(ModelRunner):
             if self._running:
                 self._running = False
                 try:
-                    broadcast_object(None)
+                    self._send(None)
                 except (RuntimeError, TimeoutError):
-                    logger.warning("could not reach every tensor-parallel rank to stop it")
+                    logger.warning("could not reach every %s rank to stop it", self.KIND)
         self._stop_processes()
 
     def _stop_processes(self) -> None:
@@ -230,8 +242,8 @@ def run_rank(
     torch.set_num_threads(threads)
     parallel = config.parallel_config
     init_distributed(
-        config.platform.distributed_backend, init_method, rank, parallel.tensor_parallel_size,
-        parallel.distributed_timeout, init_method != "env://" or same_machine(),
+        config.platform.distributed_backend, init_method, rank, parallel.world_size,
+        parallel.distributed_timeout, init_method != "env://" or same_machine(), parallel.pipeline_parallel_size,
     )  # fmt: skip
     try:
         runner = ModelRunner(config)
@@ -246,10 +258,15 @@ def run_rank(
     if status[0] != "ready":
         raise SystemExit(1)
     parent = multiprocessing.parent_process()
-    if (local := local_communicator()) is not None and parent is not None:
-        local.watchdog = lambda: None if parent.is_alive() else "rank 0 died"
+    if parent is not None:
+        set_watchdog(lambda: None if parent.is_alive() else "rank 0 died")
     agree_on_kv_cache(runner)
-    while (plan := broadcast_object()) is not None:
-        if isinstance(plan, StepPlan):  # else a keep-alive message
-            runner.run(plan)
+    if parallel.pipeline_parallel_size > 1:
+        from strata.worker.pipeline_parallel import run_stage  # it builds on this module
+
+        run_stage(runner)
+    else:
+        while (plan := broadcast_object()) is not None:
+            if isinstance(plan, StepPlan):  # else a keep-alive message
+                runner.run(plan)
     shutdown_distributed()

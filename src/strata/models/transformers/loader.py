@@ -35,7 +35,7 @@ except ImportError:
 
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import RegisteredLayer, describe_layers, summarize_layers
-from strata.distributed.parallel_state import tp_rank, tp_world_size
+from strata.distributed.parallel_state import pp_rank, pp_world_size, tp_rank, tp_world_size
 from strata.gguf_file import load_config as load_gguf_config
 from strata.hw_agnostic.layers import Int8Linear
 from strata.models.transformers.attention import (
@@ -55,6 +55,7 @@ from strata.models.transformers.fusers import (
 from strata.models.transformers.gguf_weights import GGUFCheckpoint
 from strata.models.transformers.hub_kernels import unwrap_hub_kernels
 from strata.models.transformers.layers import LayerResolver
+from strata.models.transformers.pipeline_parallel import PipelineSplit
 from strata.models.transformers.quantization import (
     QSCALE_SUFFIX,
     QWEIGHT_SUFFIX,
@@ -123,13 +124,15 @@ def build_model(
             )
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
-        sharding = None
+        sharding = stages = None
         if tp_world_size() > 1:
             if model_config.gguf_file is not None:
                 raise ConfigError(
                     "GGUF files do not shard over tensor-parallel ranks yet: use tensor_parallel_size=1"
                 )
             sharding = TensorParallelSharding(model, tp_rank(), tp_world_size())
+        if pp_world_size() > 1:
+            stages = PipelineSplit(model, pp_rank(), pp_world_size())
         gguf = None
         if model_config.gguf_file is not None:
             gguf = GGUFCheckpoint(model_config.gguf_file, model, model_config.gguf_dequantize)
@@ -154,6 +157,8 @@ def build_model(
         tensors, source = _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))), str(folder)
     if sharding is not None:
         tensors = ((name, sharding.slice_tensor(name, tensor)) for name, tensor in tensors)
+    if stages is not None:
+        tensors = ((name, tensor) for name, tensor in tensors if stages.loads(name))
     load_weights(model, tensors, source, model_config.torch_dtype, weight_mapping, preloaded)
     if sharding is not None:
         sharding.install_collectives(model)

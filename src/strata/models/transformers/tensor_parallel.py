@@ -77,7 +77,7 @@ class TensorParallelSharding:
         self.rank, self.world_size = rank, world_size
         self.shards: dict[str, LinearShard] = {}
         patterns = [(_pattern(pattern), pattern, style) for pattern, style in _plan(model).items()]
-        tied_head = _tied_head(model)
+        head = tied_head(model)
         for path, module in list(model.named_modules()):
             match = next(((p, s) for regex, p, s in patterns if regex.fullmatch(path)), None)
             if match is None:
@@ -94,7 +94,7 @@ class TensorParallelSharding:
                 raise ConfigError(
                     f"{path} is a {type(module).__name__}, not a Linear, so Strata cannot shard it {style}"
                 )
-            if path == tied_head:
+            if path == head:
                 # The head shares the embedding's weight, which stays whole: the head stays whole too.
                 logger.info("%s is tied to the input embedding: kept whole on every rank", path)
                 continue
@@ -187,7 +187,7 @@ class TensorParallelSharding:
         )
 
 
-def _tied_head(model: nn.Module) -> str | None:
+def tied_head(model: nn.Module) -> str | None:
     """The module path of the head when its weight is the input embedding's."""
     ties = model.get_expanded_tied_weights_keys(all_submodels=True)
     heads = [target.removesuffix(".weight") for target in ties if target.endswith(".weight")]

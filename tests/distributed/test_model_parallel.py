@@ -1,7 +1,9 @@
-"""Tensor parallelism over two processes (gloo, one thread each): the same greedy tokens and logprobs as
-one process on several architectures, each rank holding its half of the sharded weights and KV heads,
-compiled or not; clear errors for models that cannot be sharded; the openai client against
-`strata serve --tensor-parallel-size 2`, and a rank killed mid-generation failing the server fast."""
+"""Tensor and pipeline parallelism over two processes (gloo, one thread each): the same greedy tokens and
+logprobs as one process on several architectures, each tensor-parallel rank holding its half of the
+sharded weights and KV heads, each pipeline stage its half of the layers, compiled or not; steps of a
+pipeline in flight together; clear errors for models that cannot be split; the openai client against
+`strata serve` with two ranks, and a rank killed mid-generation failing the server fast; two torchrun
+"nodes"."""
 
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ def max_logprob_difference(one, two) -> float:
 
 
 def run_both(folder: Path, **options: object) -> tuple:
-    single = LLM(str(folder), skip_tokenizer_init=True, **options)
+    single = LLM(str(folder), skip_tokenizer_init=True)
     expected = single.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
-    sharded = LLM(str(folder), skip_tokenizer_init=True, tensor_parallel_size=2, **options)
+    sharded = LLM(str(folder), skip_tokenizer_init=True, **options)
     try:
         got = sharded.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
         shapes = sharded.apply_model(
@@ -56,14 +58,11 @@ def run_both(folder: Path, **options: object) -> tuple:
     return expected, got, full, shapes, full_kv_heads, kv_heads
 
 
-# Dense GQA, q/k norms, sliding windows, a mixture of experts, Phi-3's fused qkv (gathered, not split),
-# biased projections with a plain MLP.
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_moe", "phi3", "starcoder2"])
-def test_two_ranks_match_one_process(tiny_model_dir: Callable[[str], Path], arch: str) -> None:
-    expected, got, full, shapes, full_kv_heads, kv_heads = run_both(tiny_model_dir(arch))
-    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert max_logprob_difference(expected, got) < 1e-4
-    # Rank 0 holds half of each sharded projection, and so half of the parameters of each layer it splits.
+def check_tensor_parallel_rank_0(
+    arch: str, full: dict, shapes: dict, full_kv_heads: list, kv_heads: list
+) -> None:
+    """Rank 0 holds half of each sharded projection, and so half of the parameters of each layer it
+    splits, and half of the KV heads."""
     halved = [name for name in full if shapes[name] != full[name]]
     assert halved, "nothing was sharded"
     for name in halved:
@@ -74,8 +73,86 @@ def test_two_ranks_match_one_process(tiny_model_dir: Callable[[str], Path], arch
         assert kv_heads == [max(1, heads // 2) for heads in full_kv_heads]
 
 
-def test_compiled_bundled_model_tells_the_same_story() -> None:
-    llm = LLM(tensor_parallel_size=2, compile=True)
+def check_pipeline_rank_0(arch: str, full: dict, shapes: dict, full_kv_heads: list, kv_heads: list) -> None:
+    """Rank 0, the first stage, holds the embedding and the first of the model's 3 layers whole, no later
+    layer, final norm or head; its KV cache covers its layer only."""
+
+    def layer(name: str) -> int | None:
+        parts = name.split(".")
+        return int(parts[2]) if parts[1] == "layers" else None
+
+    assert {layer(name) for name in shapes} == {None, 0}
+    assert {name for name in full if layer(name) in (None, 0)} - set(shapes) == {
+        name for name in full if name.startswith(("model.norm.", "lm_head."))
+    }
+    assert all(shapes[name] == full[name] for name in shapes)
+    assert len(kv_heads) == 1 and len(full_kv_heads) == 3
+
+
+# Dense GQA, q/k norms, sliding windows, a mixture of experts, Phi-3's fused qkv (gathered, not split),
+# biased projections with a plain MLP.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen3_moe", "phi3", "starcoder2"])
+@pytest.mark.parametrize(
+    ("option", "check_rank_0"),
+    [
+        ("tensor_parallel_size", check_tensor_parallel_rank_0),
+        ("pipeline_parallel_size", check_pipeline_rank_0),
+    ],
+)
+def test_two_ranks_match_one_process(
+    tiny_model_dir: Callable[[str], Path], arch: str, option: str, check_rank_0: Callable[..., None]
+) -> None:
+    expected, got, *parts = run_both(tiny_model_dir(arch), **{option: 2})
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert max_logprob_difference(expected, got) < 1e-4
+    check_rank_0(arch, *parts)
+
+
+def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Requests of different lengths, prompts chunked: both stages have a step at once, every request
+    gets one process's tokens, and one aborted while its step is in flight frees its blocks."""
+    folder = str(tiny_model_dir("qwen3"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 120 + 3 for j in range(5 + 9 * i)]} for i in range(6)]
+    options = {"skip_tokenizer_init": True, "max_num_batched_tokens": 32}
+    expected = LLM(folder, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(folder, pipeline_parallel_size=2, **options)
+    engine = llm.engine
+    try:
+        depths = []
+        submit = engine.runner.submit
+
+        def recording_submit(scheduled):  # the real submit, noting how many steps are in flight after it
+            submit(scheduled)
+            depths.append(len(engine.runner._in_flight))
+
+        engine.runner.submit = recording_submit
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert max(depths) == 2
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        for one, two in zip(expected, got, strict=True):
+            assert max_logprob_difference(one, two) < 1e-4
+
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=str(index))
+        while not any(item.seq.in_flight and item.seq.request.request_id == "3"
+                      for schedule in engine._in_flight for item in schedule.scheduled):  # fmt: skip
+            engine.step()
+        engine.abort_request("3")
+        finished = {}
+        while engine.has_unfinished_requests() or engine._in_flight:
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert sorted(finished) == ["0", "1", "2", "4", "5"]
+        for request_id, output in finished.items():
+            assert output.outputs[0].token_ids == expected[int(request_id)].outputs[0].token_ids
+        assert engine.block_manager.usage == 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_compiled_bundled_model_tells_the_same_story(option: str) -> None:
+    llm = LLM(compile=True, **{option: 2})
     try:
         out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=55), use_tqdm=False)[0]
     finally:
@@ -84,10 +161,11 @@ def test_compiled_bundled_model_tells_the_same_story() -> None:
     assert out.outputs[0].token_ids == GREEDY_55
 
 
-def test_an_idle_engine_outlives_the_collective_timeout() -> None:
-    """The other ranks wait for the next step in a collective that times out; while the engine is idle,
-    rank 0's keep-alive messages keep that wait short of the timeout."""
-    llm = LLM(tensor_parallel_size=2, distributed_timeout=2.0)
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_an_idle_engine_outlives_the_collective_timeout(option: str) -> None:
+    """The other ranks wait for the next step (in a collective, or for a message) with a timeout; while
+    the engine is idle, rank 0's keep-alive messages keep that wait short of the timeout."""
+    llm = LLM(distributed_timeout=2.0, **{option: 2})
     try:
         params = SamplingParams(temperature=0, max_tokens=55)
         time.sleep(5)
@@ -109,6 +187,17 @@ def test_models_that_cannot_be_sharded_are_clear_errors(tiny_model_dir: Callable
     )
 
 
+def test_models_that_cannot_be_split_into_stages_are_clear_errors(
+    tiny_model_dir: Callable[[str], Path],
+) -> None:
+    with pytest.raises(ConfigError, match="no pipeline-parallel plan"):
+        LLM(str(tiny_model_dir("gpt2")), skip_tokenizer_init=True, pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="3 decoder layers, fewer than pipeline_parallel_size=4"):
+        LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, pipeline_parallel_size=4)
+    with pytest.raises(ConfigError, match="do not combine"):
+        LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
 @cache
 def expected_story() -> str:
     """The bundled model's greedy 55 tokens, from one process."""
@@ -116,9 +205,10 @@ def expected_story() -> str:
     return LLM().generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
 
 
-def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_server_with_two_ranks_and_a_rank_killed_mid_generation(kind: str) -> None:
     story = expected_story()  # (first: it builds the CPU kernels the server then finds built)
-    server = RemoteServer("--tensor-parallel-size", "2")
+    server = RemoteServer(f"--{kind}-parallel-size", "2")
     try:
         client = server.client()
         model = client.models.list().data[0].id
@@ -144,16 +234,18 @@ def test_server_with_two_ranks_and_a_rank_killed_mid_generation() -> None:
         worker.join(timeout=120)
         reply = answers["reply"]
         assert reply.status_code == 503
-        assert "tensor-parallel rank 1 died" in reply.json()["error"]["message"]
+        assert f"{kind}-parallel rank 1 died" in reply.json()["error"]["message"]
         assert server.process.wait(timeout=60) == 1  # non-zero, for a supervisor to restart it
     finally:
         server.stop()
-    assert "the engine failed: tensor-parallel rank 1 died" in server.output
+    assert f"the engine failed: {kind}-parallel rank 1 died" in server.output
 
 
-def test_torchrun_two_nodes_serve_one_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_torchrun_two_nodes_serve_one_model(tmp_path: Path, kind: str) -> None:
     """`torchrun --nnodes 2` on 127.0.0.1, one process per "node": rank 0 serves the OpenAI API, rank 1
-    runs its shard of each step; stopping rank 0 stops both."""
+    runs its shard (or stage) of each step, messages going through the process group; stopping rank 0
+    stops both."""
     story = expected_story()  # (first: it builds the CPU kernels the ranks then find built)
     store, port = free_port(), free_port()
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -165,7 +257,7 @@ def test_torchrun_two_nodes_serve_one_model(tmp_path: Path) -> None:
             "-m",
             "strata.entrypoints.cli",
             "serve",
-            "--tensor-parallel-size",
+            f"--{kind}-parallel-size",
             "2",
             "--port",
             str(port),
