@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -162,3 +164,33 @@ def test_killing_every_replica_fails_the_server(server: RemoteServer) -> None:
     assert server.process.wait(timeout=60) == 1  # non-zero, for a supervisor to restart it
     server.stop()
     assert "every data-parallel replica died: data-parallel replica 0 died" in server.output
+
+
+def test_tensor_parallel_replicas(story: str) -> None:
+    """Each replica may be tensor-parallel: it spawns its own rank."""
+    server = RemoteServer("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    try:
+        for index in (0, 1):
+            [rank] = replica_process(server, index).children()
+            assert "spawn_main" in " ".join(rank.cmdline())
+        client = server.client()
+        model = client.models.list().data[0].id
+        for _ in range(2):  # one on each replica
+            reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0)
+            assert reply.choices[0].text == story
+        assert [replica["num_forward_passes"] > 0 for replica in server.stats()["replicas"]] == [True, True]
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_replica_that_cannot_start_is_a_clear_error() -> None:
+    args = ["serve", "--data-parallel-size", "2", "--kv-cache-memory", "1", "--port", "0"]
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "strata.entrypoints.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert "strata: error: data-parallel replica" in result.stderr
+    assert "failed to start (exit code 1): ConfigError: kv_cache_memory=1 bytes" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60

@@ -12,9 +12,11 @@ others go on serving, and only when none is left does the engine fail (the serve
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -99,11 +101,15 @@ class DataParallelEngine(EngineClient):
                 target=run_replica,
                 args=(config, threads, child_conn),
                 name=f"strata-replica-{index}",
-                daemon=True,
+                # Not a daemon: a tensor-parallel replica spawns its ranks, which daemons may not.
+                daemon=False,
             )
             process.start()
             child_conn.close()  # so the server sees the pipe close when the replica dies
             self._replicas.append(_Replica(index, process, conn))
+        # multiprocessing joins every non-daemon child at exit: a server that ends without shutting the
+        # engine down (it failed to bind its port) closes the pipes first, so the replicas stop.
+        atexit.register(self._close_pipes)
         try:
             self._wait_for_replicas()
         except BaseException:
@@ -163,6 +169,11 @@ class DataParallelEngine(EngineClient):
                 replica.process.join()
             if replica.reader is not None:
                 replica.reader.join()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        """A replica whose pipe closes stops, as if told to."""
+        for replica in self._replicas:
             replica.conn.close()
 
     @property
@@ -174,7 +185,8 @@ class DataParallelEngine(EngineClient):
         """The replicas' counters added up, and each replica's own under "replicas" (with whether it is
         alive and its process id)."""
         replicas = [
-            {**replica.stats, "alive": replica.alive, "pid": replica.process.pid} for replica in self._replicas
+            {**replica.stats, "alive": replica.alive, "pid": replica.process.pid}
+            for replica in self._replicas
         ]
         return {**total_stats([replica.stats for replica in self._replicas]), "replicas": replicas}
 
@@ -276,6 +288,7 @@ def run_replica(config: EngineConfig, threads: int, conn: Connection) -> None:
     server sends until it says stop or goes away. Ctrl-C reaches the whole process group: the server alone
     decides when replicas stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_the_server, name="strata-replica-watchdog", daemon=True).start()
     torch.set_num_threads(threads)
     try:
         engine = LLMEngine(config)
@@ -295,6 +308,17 @@ def run_replica(config: EngineConfig, threads: int, conn: Connection) -> None:
     if failure is not None:
         conn.send(("failed", str(failure)))
         raise SystemExit(1)
+
+
+def _exit_with_the_server() -> None:
+    """A server that dies first (killed while its replicas still build their engines, say) takes its
+    replicas, and their tensor-parallel ranks, with it."""
+    parent = multiprocessing.parent_process()
+    assert parent is not None
+    parent.join()
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(1)
 
 
 def _receive(conn: Connection, block: bool) -> list[Command]:
