@@ -25,8 +25,10 @@ import pytest
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
 
+from gguf_models import write_tiny_gguf
 from remote_server import RemoteServer, free_port
 from stories260k import GREEDY_55, PROMPT, PROMPT_IDS
+from tiny_models import TINY_CONFIGS
 
 # One torch thread per rank: the two ranks share this machine's cores.
 THREAD_ENV = {**os.environ, "STRATA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
@@ -106,6 +108,29 @@ def test_two_ranks_match_one_process(
     assert got.outputs[0].token_ids == expected.outputs[0].token_ids
     assert max_logprob_difference(expected, got) < 1e-4
     check_rank_0(arch, *parts)
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_gguf_weights_split_in_their_types(tmp_path: Path, option: str) -> None:
+    """A Q8_0 file: rank 0 keeps its rows, or its whole blocks of columns, of each quantized matrix (a
+    split inside a block loads that matrix dense), or its stage's layers."""
+    path = write_tiny_gguf(TINY_CONFIGS["llama"](), tmp_path / "llama-q8_0.gguf")
+    expected, got, full, shapes, *_ = run_both(path, **{option: 2})
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    # The C++ kernels sum the halves of a row-wise split in another order.
+    assert max_logprob_difference(expected, got) < 1e-3
+    q, o, down = (
+        f"model.layers.0.{name}.qweight" for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj")
+    )
+    if option == "tensor_parallel_size":
+        assert shapes[q] == (full[q][0] // 2, full[q][1])  # rows
+        assert shapes[o] == (full[o][0], full[o][1] // 2)  # 64 columns: a Q8_0 block each
+        assert down not in shapes and shapes[down.replace("qweight", "weight")] == (64, 48)  # 96 columns
+    else:
+        assert {name for name in shapes if ".layers." in name} == {
+            name for name in full if name.startswith("model.layers.0.")
+        }
+        assert shapes[q] == full[q]
 
 
 def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model_dir: Callable[[str], Path]) -> None:

@@ -20,7 +20,7 @@ import functools
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from strata.gguf_file import GGUFError, architecture, open_gguf
 from strata.hw_agnostic.gguf_quants import COMPUTED_TYPES
 from strata.hw_agnostic.layers.gguf import EXPERT_PROJECTIONS
 from strata.models.transformers.layers import LayerResolver
+from strata.models.transformers.tensor_parallel import LinearShard
 
 logger = logging.getLogger("strata.models.gguf")
 
@@ -60,11 +61,13 @@ _EXPERT_TENSOR_NAMES = {
 
 @dataclass
 class KeptWeight:
-    """A module whose weight stays in its GGUF type: the file's tensor and the row order it is read in."""
+    """A module whose weight stays in its GGUF type: the file's tensor, the row order it is read in, and
+    this tensor-parallel rank's part of it."""
 
     module_path: str
     tensor: ReaderTensor
     row_order: np.ndarray | None  # None: the file's own order
+    shard: LinearShard | None = None  # None: all of it
 
 
 class GGUFCheckpoint:
@@ -109,9 +112,17 @@ class GGUFCheckpoint:
         logger.warning("%s: dequantized to the model's dtype at load", what)
 
     # -- which modules keep their GGUF weights ------------------------------------------------------------
-    def replace_layers(self, model: nn.Module, resolver: LayerResolver, dtype: torch.dtype) -> int:
+    def replace_layers(
+        self,
+        model: nn.Module,
+        resolver: LayerResolver,
+        dtype: torch.dtype,
+        shards: Mapping[str, LinearShard] | None = None,
+    ) -> int:
         """Make each linear and embedding module whose weight the file holds in a quantized (or 16-bit)
-        type a `gguf_linear` / `gguf_embedding` layer of that type; returns how many."""
+        type a `gguf_linear` / `gguf_embedding` layer of that type; returns how many. A linear that
+        `shards` (module path -> this tensor-parallel rank's part) splits keeps its part of the blocks:
+        rows, or whole blocks of columns (one whose columns do not split at block edges loads dense)."""
         for tensor in self.reader.tensors:
             hf_name = self.name_map.get(tensor.name)
             if hf_name is None or not hf_name.endswith(".weight") or not self._keeps_type(tensor):
@@ -119,17 +130,22 @@ class GGUFCheckpoint:
             module_path = hf_name.removesuffix(".weight")
             module = _submodule(model, module_path)
             row_order = self._row_order(tensor, module)
-            if row_order is False or (new := self._gguf_layer(module, tensor, resolver, dtype)) is None:
+            shard = (shards or {}).get(module_path)
+            shape = _local_shape(tensor, shard)
+            if row_order is False or shape is None:
+                continue
+            if (new := self._gguf_layer(module, tensor, resolver, dtype, shape)) is None:
                 continue
             model.set_submodule(module_path, new)
-            self.kept[hf_name] = KeptWeight(module_path, tensor, row_order)
+            self.kept[hf_name] = KeptWeight(module_path, tensor, row_order, shard)
         # A head tied to a kept embedding (no `output.weight` in the file) reads the same blocks.
         for target, source in self.ties.items():
             kept = self.kept.get(source)
             if kept is None or target in self.kept:
                 continue
             module_path = target.removesuffix(".weight")
-            new = self._gguf_layer(_submodule(model, module_path), kept.tensor, resolver, dtype)
+            shape = _local_shape(kept.tensor, None)
+            new = self._gguf_layer(_submodule(model, module_path), kept.tensor, resolver, dtype, shape)
             if new is not None:
                 model.set_submodule(module_path, new)
                 self.kept[target] = KeptWeight(module_path, kept.tensor, kept.row_order)
@@ -178,10 +194,16 @@ class GGUFCheckpoint:
         )
 
     def _gguf_layer(
-        self, module: nn.Module | None, tensor: ReaderTensor, resolver: LayerResolver, dtype: torch.dtype
+        self,
+        module: nn.Module | None,
+        tensor: ReaderTensor,
+        resolver: LayerResolver,
+        dtype: torch.dtype,
+        shape: tuple[int, int],
     ) -> nn.Module | None:
-        """The GGUF layer that replaces `module`, or None where it is not a plain linear or embedding."""
-        columns, rows = (int(d) for d in tensor.shape)
+        """The GGUF layer of `shape` (rows, columns: the tensor's, or this rank's part of it) that replaces
+        `module`, or None where it is not a plain linear or embedding of that shape."""
+        rows, columns = shape
         qtype = int(tensor.tensor_type)
         with torch.device("meta"):
             if type(module) is nn.Linear and (module.out_features, module.in_features) == (rows, columns):
@@ -227,16 +249,14 @@ class GGUFCheckpoint:
         for kept in self.kept.values():
             param = shared.get(kept.tensor.name)
             if param is None:
-                param = nn.Parameter(_blocks(kept.tensor, kept.row_order), requires_grad=False)
+                param = nn.Parameter(_blocks(kept.tensor, kept.row_order, kept.shard), requires_grad=False)
                 shared[kept.tensor.name] = param
             model.get_submodule(kept.module_path).qweight = param
             loaded.add(f"{kept.module_path}.qweight")
         for module_path, tensors in self.kept_experts.items():
             layer = model.get_submodule(module_path)
             for projection, tensor in tensors.items():
-                setattr(
-                    layer, f"{projection}_qweight", nn.Parameter(_blocks(tensor, None), requires_grad=False)
-                )
+                setattr(layer, f"{projection}_qweight", nn.Parameter(_blocks(tensor), requires_grad=False))
                 loaded.add(f"{module_path}.{projection}_qweight")
         return loaded
 
@@ -300,13 +320,34 @@ def _plain_gated_experts(module: nn.Module | None) -> bool:
     )
 
 
-def _blocks(tensor: ReaderTensor, row_order: np.ndarray | None) -> torch.Tensor:
+def _local_shape(tensor: ReaderTensor, shard: LinearShard | None) -> tuple[int, int] | None:
+    """(rows, columns) of a 2-D tensor, or of `shard`'s part of it; None when that part's columns do not
+    start and end at the edges of the type's blocks."""
+    columns, rows = (int(d) for d in tensor.shape)
+    if shard is None:
+        return rows, columns
+    if shard.colwise:
+        return shard.size, columns
+    block = gguf.GGML_QUANT_SIZES[GGMLQuantizationType(tensor.tensor_type)][0]
+    return (rows, shard.size) if shard.start % block == 0 and shard.size % block == 0 else None
+
+
+def _blocks(
+    tensor: ReaderTensor, row_order: np.ndarray | None = None, shard: LinearShard | None = None
+) -> torch.Tensor:
     """The tensor's bytes as uint8 [..., rows, row bytes] (experts first in a stack): the mapped file
-    itself, or its rows reordered."""
+    itself, or its rows reordered, or `shard`'s rows (a view) or blocks of columns (a copy)."""
     leading = [int(d) for d in reversed(tensor.shape[1:])]
     data = np.asarray(tensor.data).view(np.uint8).reshape(*leading, -1)
     if row_order is not None:
         data = data[row_order]
+    if shard is not None and shard.colwise:
+        data = data[shard.start : shard.start + shard.size]
+    elif shard is not None:
+        elements, size = gguf.GGML_QUANT_SIZES[GGMLQuantizationType(tensor.tensor_type)]
+        data = np.ascontiguousarray(
+            data[:, shard.start // elements * size : (shard.start + shard.size) // elements * size]
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a read-only map: the weights are never written
         return torch.from_numpy(data)

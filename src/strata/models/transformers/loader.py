@@ -126,17 +126,15 @@ def build_model(
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
         sharding = stages = None
         if tp_world_size() > 1:
-            if model_config.gguf_file is not None:
-                raise ConfigError(
-                    "GGUF files do not shard over tensor-parallel ranks yet: use tensor_parallel_size=1"
-                )
             sharding = TensorParallelSharding(model, tp_rank(), tp_world_size())
         if pp_world_size() > 1:
             stages = PipelineSplit(model, pp_rank(), pp_world_size())
         gguf = None
         if model_config.gguf_file is not None:
             gguf = GGUFCheckpoint(model_config.gguf_file, model, model_config.gguf_dequantize)
-            gguf.replace_layers(model, resolver, model_config.torch_dtype)
+            gguf.replace_layers(
+                model, resolver, model_config.torch_dtype, sharding.shards if sharding is not None else None
+            )
         weight_mapping = {**fuse_layers(model, resolver), **replace_conv1d(model)}
         replace_layer_norms(model, resolver)
         if model_config.quantization == "int8":
