@@ -70,7 +70,8 @@ GREEDY_CHECK_TOKENS = 8  # the engines' greedy ids must agree this far; random w
 GGUF_QUANTS = ("q8_0", "q4_0", "q4_k_m")
 STRATA_GGUF, STRATA_F32 = "strata-gguf", "strata-compiled"  # Strata on a GGUF file; its float32 reference
 STRUCTURED_SUFFIX = "+json"  # a Strata engine whose requests are constrained to `structured_schema`
-TP_SUFFIX = "-tp"  # `E-tpN`: Strata engine E sharded over N tensor-parallel processes
+# `E-tpN` / `E-ppN`: Strata engine E over N tensor-parallel processes / pipeline stages.
+PARALLEL_SUFFIXES = {"-tp": "tensor_parallel_size", "-pp": "pipeline_parallel_size"}
 
 _COMMON: dict[str, Any] = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -207,20 +208,23 @@ def gguf_format(engine: str) -> str | None:
     return None
 
 
-def split_tp(engine: str) -> tuple[str, int]:
-    """(the engine, its tensor-parallel size) of `E-tpN`; (engine, 1) for any other."""
-    base, _, size = engine.rpartition(TP_SUFFIX)
-    return (base, int(size)) if base and size.isdigit() else (engine, 1)
+def split_parallel(engine: str) -> tuple[str, dict[str, int]]:
+    """(the engine, its `LLM` parallel option) of `E-tpN` or `E-ppN`; (engine, {}) for any other."""
+    for suffix, option in PARALLEL_SUFFIXES.items():
+        base, _, size = engine.rpartition(suffix)
+        if base and size.isdigit():
+            return base, {option: int(size)}
+    return engine, {}
 
 
 def peers(engine: str) -> dict[str, str]:
     """The engines a row is compared with, by ratio field: transformers; llama.cpp on the same file (the
     F32 GGUF for the engines on the folder); and for Strata on a GGUF file, Strata compiled on the folder.
     A structured engine is compared with the same engine unconstrained only, a tensor-parallel one with the
-    same engine in one process."""
+    same engine in one process (a pipeline-parallel one likewise)."""
     if engine.endswith(STRUCTURED_SUFFIX):
         return {"vs_unconstrained": engine.removesuffix(STRUCTURED_SUFFIX)}
-    if (base := split_tp(engine))[1] > 1:
+    if (base := split_parallel(engine))[1]:
         return {"vs_one_process": base[0]}
     fmt = gguf_format(engine)
     out = {"vs_transformers": BASELINE}
@@ -247,15 +251,15 @@ def build_engine(
     assert folder is not None, f"{name} needs a model folder"
     if name == BASELINE:
         return transformers_engine(folder, max_batch, max_len)
-    name, tp = split_tp(name)
-    variant = {**STRATA_VARIANTS[name], **({"tensor_parallel_size": tp} if tp > 1 else {})}
+    name, parallel = split_parallel(name)
+    variant = {**STRATA_VARIANTS[name], **parallel}
     return strata_engine(folder, max_batch, max_len, tokenizer, structured, **variant)
 
 
 def bytes_per_weight(engine: str) -> int:
     """Bytes per matmul weight a Strata engine on the folder reads in a step (int8's per-row scales left
     out)."""
-    variant = STRATA_VARIANTS.get(split_tp(engine)[0], {})
+    variant = STRATA_VARIANTS.get(split_parallel(engine)[0], {})
     return 1 if variant.get("quantization") == "int8" else 2 if variant.get("dtype") == "bfloat16" else 4
 
 
@@ -451,13 +455,13 @@ def take_turns(
     for generate in runners.values():
         generate(batches[0], min(new_tokens, 2))
     runs: dict[str, list[float]] = {name: [] for name in runners}
-    # Per run of a tensor-parallel engine: (seconds in collectives, forward passes).
+    # Per run of a multi-process engine: (rank 0's seconds in collectives and messages, forward passes).
     collectives: dict[str, list[tuple[float, int]]] = {name: [] for name in runners}
     first: dict[str, list[list[int]]] = {}
     label = " ".join(f"{k}={v}" for k, v in common.items())
     for repeat, batch in enumerate(batches[1:]):
         for name in list(runners)[:: 1 if repeat % 2 == 0 else -1]:
-            stats = getattr(runners[name], "engine_stats", None) if split_tp(name)[1] > 1 else None
+            stats = getattr(runners[name], "engine_stats", None) if split_parallel(name)[1] else None
             before = stats() if stats else None
             seconds, ids = runners[name](batch, new_tokens)
             if stats and before:
@@ -664,6 +668,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=1,
         help="also run each Strata engine E on the folder as E-tpN, sharded over N processes (default: 1)",
     )
+    add(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="also run each Strata engine E on the folder as E-ppN, its layers over N stages (default: 1)",
+    )
     add("--json-out", type=Path, default=None, help="also write the JSON report to this file")
     args = p.parse_args(argv)
     default = GGUF_FILE_ENGINES if args.gguf_file else DEFAULT_ENGINES
@@ -673,9 +683,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.structured:
         strata = [e for e in args.engines if e.startswith("strata")]
         args.engines += [e + STRUCTURED_SUFFIX for e in strata]
-    if args.tensor_parallel_size > 1:
-        on_folder = [e for e in args.engines if e in STRATA_VARIANTS]
-        args.engines += [f"{e}{TP_SUFFIX}{args.tensor_parallel_size}" for e in on_folder]
+    on_folder = [e for e in args.engines if e in STRATA_VARIANTS]
+    for suffix, size in (("-tp", args.tensor_parallel_size), ("-pp", args.pipeline_parallel_size)):
+        if size > 1:
+            args.engines += [f"{e}{suffix}{size}" for e in on_folder]
+    if len(multi := [e for e in args.engines if split_parallel(e)[1]]) > 1:
+        p.error(f"one process holds one multi-process engine, not {', '.join(multi)}: run one Strata engine "
+                "and one of --tensor-parallel-size and --pipeline-parallel-size at a time")  # fmt: skip
     if args.gguf_file and not args.gguf_file.is_file():
         p.error(f"--gguf-file {args.gguf_file}: no such file")
     if args.gguf_file and (others := [e for e in args.engines if gguf_format(e) != "f32"]):

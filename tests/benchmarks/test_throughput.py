@@ -57,20 +57,23 @@ def _llama_cpp_missing() -> str | None:
 LLAMA_CPP_MISSING = _llama_cpp_missing()
 
 
-def test_tensor_parallel_engines_run_beside_one_process(tmp_path: Path) -> None:
-    args = ["--models", "tiny", "--engines", "strata", "--tensor-parallel-size", "2", "--concurrency", "1,2"]
+@pytest.mark.parametrize("kind", ["tp", "pp"])
+def test_multi_process_engines_run_beside_one_process(tmp_path: Path, kind: str) -> None:
+    option = {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size"}[kind]
+    args = ["--models", "tiny", "--engines", "strata", option, "2", "--concurrency", "1,2"]
     args += ["--new-tokens", "4", "--repeats", "1", "--prefill-len", "0", "--model-dir", str(tmp_path)]
     report, table = run_benchmark("throughput", *args, env=NO_KERNELS)
 
-    assert report["settings"]["engines"] == ["strata", "strata-tp2"]
-    assert report["models"]["tiny"]["greedy_match"] == {"strata-tp2": True}
+    engine = f"strata-{kind}2"
+    assert report["settings"]["engines"] == ["strata", engine]
+    assert report["models"]["tiny"]["greedy_match"] == {engine: True}
     for row in report["results"]:
-        if row["engine"] == "strata-tp2":
+        if row["engine"] == engine:
             assert row["vs_one_process"] > 0 and row["collective_ms_per_step"] > 0
             assert 0 < row["collective_share"] < 1
         else:
             assert "vs_one_process" not in row and "collective_ms_per_step" not in row
-    assert "ms of a step in collectives" in table
+    assert f"{engine} c=2:" in table and "ms of a step in collectives" in table
 
 
 @pytest.mark.skipif(LLAMA_CPP_MISSING is not None, reason=str(LLAMA_CPP_MISSING))
