@@ -490,6 +490,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--launch", action="store_true", help="start `strata serve` on the URL's port first")
+    parser.add_argument(
+        "--data-parallel-size", type=int, default=1, help="with --launch: the server's engine replicas"
+    )
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=int, default=8, help="clients with one request in flight each")
@@ -540,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             template = Path(folder) / "tools.jinja"
             template.write_text(TOOLS_TEMPLATE)
             serve_args = ["--chat-template", str(template), "--tool-call-parser", "hermes"]
+        serve_args += ["--data-parallel-size", str(args.data_parallel_size)]
         server = launch_server(httpx.URL(args.url).port or 8000, *serve_args) if args.launch else None
         try:
             result = asyncio.run(run(args))
