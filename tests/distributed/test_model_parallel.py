@@ -64,8 +64,13 @@ def check_tensor_parallel_rank_0(
     arch: str, full: dict, shapes: dict, full_kv_heads: list, kv_heads: list
 ) -> None:
     """Rank 0 holds half of each sharded projection, and so half of the parameters of each layer it
-    splits, and half of the KV heads."""
-    halved = [name for name in full if shapes[name] != full[name]]
+    splits, and half of the KV heads; an embedding not tied to the head half of the token rows, and a
+    zero row that the other rank's tokens read."""
+    embedding = "model.embed_tokens.weight"
+    if "lm_head.weight" in full:
+        vocab, hidden = full[embedding]
+        assert shapes.pop(embedding) == (vocab // 2 + 1, hidden)
+    halved = [name for name in shapes if shapes[name] != full[name]]
     assert halved, "nothing was sharded"
     for name in halved:
         assert sum(shapes[name]) < sum(full[name]) and any(

@@ -322,10 +322,12 @@ def _plain_gated_experts(module: nn.Module | None) -> bool:
 
 def _local_shape(tensor: ReaderTensor, shard: LinearShard | None) -> tuple[int, int] | None:
     """(rows, columns) of a 2-D tensor, or of `shard`'s part of it; None when that part's columns do not
-    start and end at the edges of the type's blocks."""
+    start and end at the edges of the type's blocks, or it is an embedding's share of the tokens."""
     columns, rows = (int(d) for d in tensor.shape)
     if shard is None:
         return rows, columns
+    if shard.vocabulary:
+        return None  # an embedding split by tokens loads dense
     if shard.colwise:
         return shard.size, columns
     block = gguf.GGML_QUANT_SIZES[GGMLQuantizationType(tensor.tensor_type)][0]

@@ -31,6 +31,7 @@ logger = logging.getLogger("strata.models.tensor_parallel")
 
 _COLWISE = ("colwise", "colwise_gather_output")
 _ROWWISE = ("rowwise", "rowwise_split_input")
+_VOCABULARY = "embedding_rowwise"  # an embedding table split by token rows
 # Styles that only matter for training (gradients of replicated weights) or that keep a module whole.
 _REPLICATED = ("replicated_with_grad_allreduce", "replicate", "replicated")
 
@@ -46,6 +47,11 @@ class LinearShard:
     @property
     def colwise(self) -> bool:
         return self.style in _COLWISE
+
+    @property
+    def vocabulary(self) -> bool:
+        """An embedding table's share of the token rows."""
+        return self.style == _VOCABULARY
 
 
 def _plan(model: nn.Module) -> dict[str, str]:
@@ -83,7 +89,13 @@ class TensorParallelSharding:
             if match is None:
                 continue
             pattern, style = match
-            if style in _REPLICATED or isinstance(module, nn.Embedding):
+            if isinstance(module, nn.Embedding):
+                if style == _VOCABULARY and self._splits_vocabulary(path, module, head):
+                    self.shards[path] = LinearShard(style, rank * module.num_embeddings // world_size,
+                                                    module.num_embeddings // world_size)  # fmt: skip
+                    _make_local_embedding(module, self.shards[path])
+                continue
+            if style in _REPLICATED:
                 continue
             if style not in _COLWISE + _ROWWISE:
                 raise ConfigError(
@@ -102,6 +114,14 @@ class TensorParallelSharding:
             model.set_submodule(path, self._local_linear(module, self.shards[path]))
         if not self.shards:
             raise ConfigError(f"{type(model).__name__}'s tensor-parallel plan matched none of its layers")
+
+    def _splits_vocabulary(self, path: str, module: nn.Embedding, head: str | None) -> bool:
+        """Whether this embedding splits by token rows: not when a head is tied to it (both stay whole,
+        sharing one weight), nor when its rows do not split evenly."""
+        if head is not None or module.num_embeddings % self.world_size:
+            logger.info("%s: kept whole on every rank (tied to the head, or rows that do not split)", path)
+            return False
+        return True
 
     def _shard(self, model: nn.Module, path: str, module: nn.Linear, style: str) -> LinearShard:
         full = module.out_features if style in _COLWISE else module.in_features
@@ -136,6 +156,10 @@ class TensorParallelSharding:
         shard = self.shards.get(path)
         if shard is None:
             return tensor
+        if shard.vocabulary:  # its rows, and the zero row other tokens read
+            return torch.cat(
+                [tensor.narrow(0, shard.start, shard.size), tensor.new_zeros(1, tensor.shape[1])]
+            )
         if shard.colwise:
             return tensor.narrow(0, shard.start, shard.size).contiguous()
         if kind == "bias":
@@ -150,7 +174,10 @@ class TensorParallelSharding:
             if shard.style == "colwise":
                 continue  # its output stays split: the next (rowwise) layer reads it so
             module = model.get_submodule(path)
-            if shard.style == "colwise_gather_output":
+            if shard.vocabulary:
+                module.register_forward_pre_hook(_local_token_ids(shard))
+                module.register_forward_hook(_reduce_output)
+            elif shard.style == "colwise_gather_output":
                 module.register_forward_hook(_gather_output)
             elif not shard.colwise:
                 if shard.style == "rowwise_split_input":
@@ -212,6 +239,26 @@ def _gather_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.
 
 def _reduce_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     return all_reduce(output)
+
+
+def _make_local_embedding(module: nn.Embedding, shard: LinearShard) -> None:
+    """This rank's rows of the table, plus a zero row that every token of the other ranks reads (their
+    embeddings come from those ranks in the sum)."""
+    module.num_embeddings = shard.size + 1
+    module.padding_idx = None
+    with torch.device("meta"):
+        module.weight = nn.Parameter(
+            torch.empty(shard.size + 1, module.embedding_dim, dtype=module.weight.dtype), requires_grad=False
+        )
+
+
+def _local_token_ids(shard: LinearShard) -> Any:
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        ids, *rest = args
+        local = ids - shard.start
+        return (torch.where((local >= 0) & (local < shard.size), local, shard.size), *rest)
+
+    return hook
 
 
 def _split_input(shard: LinearShard) -> Any:
