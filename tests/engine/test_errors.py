@@ -13,7 +13,7 @@ from transformers import BertConfig
 
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
-from strata.engine.llm_engine import PromptError
+from strata.engine.prompts import PromptError
 
 
 @pytest.fixture(scope="module")

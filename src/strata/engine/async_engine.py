@@ -15,7 +15,8 @@ from typing import Any
 
 from strata.engine.engine_client import EngineClient
 from strata.engine.engine_loop import Command, EngineDeadError, run_engine_loop
-from strata.engine.llm_engine import LLMEngine, PromptType
+from strata.engine.llm_engine import LLMEngine
+from strata.engine.prompts import PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 

@@ -30,7 +30,8 @@ import torch
 from strata.config import ConfigError, EngineConfig
 from strata.engine.engine_client import EngineClient
 from strata.engine.engine_loop import Command, EngineDeadError, run_engine_loop
-from strata.engine.llm_engine import LLMEngine, PromptType, load_tokenizer
+from strata.engine.llm_engine import LLMEngine, load_tokenizer
+from strata.engine.prompts import PromptChecker, PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 
@@ -44,20 +45,6 @@ _EXIT_SECONDS = 10.0
 
 class ReplicaFailedError(RuntimeError):
     """Every data-parallel replica died: nothing is left to serve."""
-
-
-class PromptChecker:
-    """`LLMEngine`'s own prompt validation, in a process whose engines run elsewhere: it reads nothing of
-    the engine but the tokenizer, the vocabulary size and the context length."""
-
-    tokenize_prompt = LLMEngine.tokenize_prompt
-    _encode = LLMEngine._encode
-    _check_token_ids = LLMEngine._check_token_ids
-
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
 
 
 @dataclass(eq=False)
@@ -192,7 +179,7 @@ class DataParallelEngine(EngineClient):
 
     # -- requests -------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return self._prompts.tokenize_prompt(prompt)
+        return self._prompts.tokenize(prompt)
 
     def _submit(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
         """To the live replica with the fewest unfinished requests; ties go round in turn."""

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from strata.engine.engine_loop import EngineDeadError
-from strata.engine.llm_engine import PromptType
+from strata.engine.prompts import PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 

@@ -10,8 +10,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Collection
 from dataclasses import asdict
 from typing import Any
 
@@ -21,6 +20,7 @@ from strata.config import ConfigError, EngineConfig
 from strata.distributed.communication import collective_seconds
 from strata.engine.block_manager import BlockManager
 from strata.engine.detokenizer import IncrementalDetokenizer
+from strata.engine.prompts import PromptChecker, PromptType
 from strata.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.engine.token_text import TokenTexts
@@ -42,12 +42,6 @@ from strata.worker.pipeline_parallel import PipelineParallelRunner
 from strata.worker.tensor_parallel import TensorParallelRunner
 
 logger = logging.getLogger("strata.engine")
-
-PromptType = str | list[int] | Mapping[str, Any]
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot run (empty, too long, ids outside the vocabulary, wrong type)."""
 
 
 def load_tokenizer(path: str) -> Any:
@@ -85,6 +79,7 @@ class LLMEngine:
         # Steps submitted to a pipeline and not collected yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
         self.vocab_size = model_config.vocab_size
+        self.prompts = PromptChecker(self.tokenizer, self.vocab_size, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
         cache = config.cache_config
         self.block_manager = BlockManager(
@@ -125,54 +120,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Turn a prompt (text, token ids, or a `{"prompt": ...}` / `{"prompt_token_ids": ...}` dict) into ids."""
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, ids = self._encode(prompt["prompt"])
-            else:
-                raise PromptError(
-                    "a prompt dict needs a 'prompt' (text) or 'prompt_token_ids' (list of ints) key"
-                )
-        elif isinstance(prompt, str):
-            text, ids = self._encode(prompt)
-        elif isinstance(prompt, SequenceABC) and not isinstance(prompt, bytes | bytearray):
-            text, ids = None, self._check_token_ids(prompt)
-        else:
-            raise PromptError(
-                f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise PromptError("the prompt is empty: it must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(
-                f"the prompt is {len(ids)} tokens long, but max_model_len={self.max_model_len} leaves no room to "
-                "generate; shorten the prompt or raise max_model_len"
-            )
-        return text, ids
-
-    def _encode(self, text: Any) -> tuple[str, list[int]]:
-        if not isinstance(text, str):
-            raise PromptError(f"'prompt' must be a string, got {type(text).__name__}")
-        if self.tokenizer is None:
-            raise PromptError(
-                "this engine was started with skip_tokenizer_init=True: give prompts as token ids"
-            )
-        return text, list(self.tokenizer.encode(text))
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        if isinstance(ids, str | bytes) or not isinstance(ids, SequenceABC):
-            raise PromptError("'prompt_token_ids' must be a list of integers")
-        checked = []
-        for token in ids:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise PromptError(f"'prompt_token_ids' must hold integers, got {token!r}")
-            if not 0 <= token < self.vocab_size:
-                raise PromptError(
-                    f"token id {token} in 'prompt_token_ids' is outside the vocabulary [0, {self.vocab_size})"
-                )
-            checked.append(token)
-        return checked
+        return self.prompts.tokenize(prompt)
 
     def add_request(
         self,

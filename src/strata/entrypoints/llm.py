@@ -21,7 +21,8 @@ from strata.config import (
     SchedulerConfig,
 )
 from strata.custom_op import describe_layers
-from strata.engine.llm_engine import LLMEngine, PromptError, PromptType
+from strata.engine.llm_engine import LLMEngine
+from strata.engine.prompts import PromptError, PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 

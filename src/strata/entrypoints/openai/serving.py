@@ -20,7 +20,7 @@ from starlette.requests import Request as HTTPRequest
 from strata import __version__
 from strata.engine.engine_client import EngineClient
 from strata.engine.engine_loop import EngineDeadError
-from strata.engine.llm_engine import PromptError, PromptType
+from strata.engine.prompts import PromptError, PromptType
 from strata.engine.token_text import PieceDecoder, TokenPiece, TokenTexts
 from strata.entrypoints.openai.metrics import ServerMetrics
 from strata.entrypoints.openai.protocol import (
