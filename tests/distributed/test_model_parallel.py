@@ -24,6 +24,7 @@ import pytest
 
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
+from strata.models.transformers.pipeline_parallel import stage_layers
 
 from gguf_models import write_tiny_gguf
 from remote_server import RemoteServer, free_port
@@ -81,19 +82,32 @@ def check_tensor_parallel_rank_0(
 
 
 def check_pipeline_rank_0(arch: str, full: dict, shapes: dict, full_kv_heads: list, kv_heads: list) -> None:
-    """Rank 0, the first stage, holds the embedding and the first of the model's 3 layers whole, no later
-    layer, final norm or head; its KV cache covers its layer only."""
+    """Rank 0, the first stage, holds the embedding and the first of the model's 3 layers whole (one or
+    two: the last stage also runs the head), no later layer, final norm or head; its KV cache covers its
+    layers only."""
 
     def layer(name: str) -> int | None:
         parts = name.split(".")
         return int(parts[2]) if parts[1] == "layers" else None
 
-    assert {layer(name) for name in shapes} == {None, 0}
-    assert {name for name in full if layer(name) in (None, 0)} - set(shapes) == {
+    local = {layer(name) for name in shapes} - {None}
+    assert local in ({0}, {0, 1}) and len(kv_heads) == len(local) and len(full_kv_heads) == 3
+    assert {name for name in full if layer(name) in (None, *local)} - set(shapes) == {
         name for name in full if name.startswith(("model.norm.", "lm_head."))
     }
     assert all(shapes[name] == full[name] for name in shapes)
-    assert len(kv_heads) == 1 and len(full_kv_heads) == 3
+
+
+def test_stages_split_the_layers_by_their_cost() -> None:
+    """Consecutive layers, at least one a stage, the costliest stage as cheap as it can be; the head's
+    parameters count on the last stage."""
+    assert [stage_layers([1] * 7, 0, s, 2) for s in range(2)] == [range(0, 3), range(3, 7)]
+    assert [stage_layers([1] * 8, 0, s, 3) for s in range(3)] == [range(0, 2), range(2, 5), range(5, 8)]
+    # A head of 9 layers' parameters (a small model's vocabulary): the last stage keeps one layer.
+    assert [stage_layers([1] * 6, 9, s, 2) for s in range(2)] == [range(0, 5), range(5, 6)]
+    assert [stage_layers([4, 1, 1, 4], 0, s, 2) for s in range(2)] == [range(0, 2), range(2, 4)]
+    with pytest.raises(ConfigError, match="3 decoder layers, fewer than pipeline_parallel_size=4"):
+        stage_layers([1] * 3, 0, 0, 4)
 
 
 # Dense GQA, q/k norms, sliding windows, a mixture of experts, Phi-3's fused qkv (gathered, not split),
@@ -132,8 +146,10 @@ def test_gguf_weights_split_in_their_types(tmp_path: Path, option: str) -> None:
         assert shapes[o] == (full[o][0], full[o][1] // 2)  # 64 columns: a Q8_0 block each
         assert down not in shapes and shapes[down.replace("qweight", "weight")] == (64, 48)  # 96 columns
     else:
+        layers = {name.split(".")[2] for name in shapes if ".layers." in name}
+        assert layers in ({"0"}, {"0", "1"})
         assert {name for name in shapes if ".layers." in name} == {
-            name for name in full if name.startswith("model.layers.0.")
+            name for name in full if ".layers." in name and name.split(".")[2] in layers
         }
         assert shapes[q] == full[q]
 

@@ -16,7 +16,9 @@ first, the first local layer's input is swapped for the activations the previous
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from typing import Any
 
 import torch
@@ -85,16 +87,32 @@ def _plan(model: nn.Module) -> dict[str, Any]:
     return dict(plan)
 
 
-def stage_layers(num_layers: int, stage: int, num_stages: int) -> range:
-    """The decoder layers of `stage`: consecutive, as even as they split, later stages taking the extra
-    ones (the first stage also schedules and samples)."""
-    if num_layers < num_stages:
+def stage_layers(layer_costs: list[int], head_cost: int, stage: int, num_stages: int) -> range:
+    """The decoder layers of `stage`: consecutive, at least one a stage, split so that the costliest stage
+    costs least. A layer costs its parameters; the last stage also runs the head, which at decode costs
+    as much as a layer of as many parameters (for a small model it outweighs several layers)."""
+    count = len(layer_costs)
+    if count < num_stages:
         raise ConfigError(
-            f"the model has {num_layers} decoder layers, fewer than pipeline_parallel_size={num_stages}"
+            f"the model has {count} decoder layers, fewer than pipeline_parallel_size={num_stages}"
         )
-    base, extra = divmod(num_layers, num_stages)
-    start = stage * base + max(0, stage - (num_stages - extra))
-    return range(start, start + base + (stage >= num_stages - extra))
+    prefix = [0, *itertools.accumulate(layer_costs)]
+    # cost[s][i]: the least cost of the costliest stage when stages 0..s-1 run layers 0..i-1; start[s][i]
+    # where stage s - 1 then starts.
+    cost = [[math.inf] * (count + 1) for _ in range(num_stages + 1)]
+    start = [[0] * (count + 1) for _ in range(num_stages + 1)]
+    cost[0][0] = 0
+    for s in range(1, num_stages + 1):
+        extra = head_cost if s == num_stages else 0
+        for i in range(s, count + 1):
+            for j in range(s - 1, i):
+                candidate = max(cost[s - 1][j], prefix[i] - prefix[j] + extra)
+                if candidate < cost[s][i]:
+                    cost[s][i], start[s][i] = candidate, j
+    end = count
+    for s in range(num_stages, stage + 1, -1):
+        end = start[s][end]
+    return range(start[stage + 1][end], end)
 
 
 class PipelineSplit:
@@ -112,7 +130,13 @@ class PipelineSplit:
             raise ConfigError(f"{type(model).__name__}'s pipeline-parallel plan has no single list of layers")
         position = names.index(layer_names[0])
         layers = base.get_submodule(layer_names[0])
-        self.layers = stage_layers(len(layers), stage, num_stages)
+        head = model.get_output_embeddings()
+        self.layers = stage_layers(
+            [sum(p.numel() for p in layer.parameters()) for layer in layers],
+            head.weight.numel() if head is not None else 0,
+            stage,
+            num_stages,
+        )
         self.dropped: list[str] = []  # module paths whose tensors this stage does not load
 
         def path(name: str) -> str:
@@ -122,11 +146,11 @@ class PipelineSplit:
             if index not in self.layers:
                 layers[index] = OtherStageLayer(layers[index])
                 self.dropped.append(path(f"{layer_names[0]}.{index}"))
-        head = tied_head(model)
+        tied = tied_head(model)
         for name in names[:position] if not self.is_first else ():
             module = base.get_submodule(name)
             # A head tied to the embedding reads its weight: the last stage keeps the embedding then.
-            keep = self.is_last and head is not None
+            keep = self.is_last and tied is not None
             if isinstance(module, nn.Embedding) and not keep:
                 base.set_submodule(name, PlaceholderEmbedding(module.embedding_dim, module.weight.dtype))
                 self.dropped.append(path(name))
