@@ -412,8 +412,9 @@ class CompilationConfig:
 class ParallelConfig:
     """How many processes one engine runs on. With `tensor_parallel_size` N, N ranks each hold 1/N of the
     sharded weights and of the KV cache (the model's own TP plan says what is sharded); with
-    `pipeline_parallel_size` M, M ranks each hold a consecutive 1/M of the decoder layers (and their KV
-    cache) and pass activations on. Rank 0 schedules and samples. The ranks are processes the engine
+    `pipeline_parallel_size` M, M stages each hold a consecutive 1/M of the decoder layers (and their KV
+    cache) and pass activations on; with both, each stage is sharded over N ranks (N x M in all). Rank 0
+    schedules and samples. The ranks are processes the engine
     spawns on this machine, or those `torchrun` started (`distributed_init_method` "env://", its
     variables naming rank, world size and the store)."""
 
@@ -429,11 +430,6 @@ class ParallelConfig:
         _check_positive_int("data_parallel_size", self.data_parallel_size)
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
-            raise ConfigError(
-                "tensor and pipeline parallelism do not combine in one engine yet: set tensor_parallel_size "
-                "or pipeline_parallel_size, not both"
-            )
         if not isinstance(self.distributed_timeout, int | float) or self.distributed_timeout <= 0:
             raise ConfigError(
                 f"distributed_timeout must be a positive number, got {self.distributed_timeout!r}"

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism over two processes (gloo, one thread each): the same greedy tokens and
 logprobs as one process on several architectures, each tensor-parallel rank holding its half of the
-sharded weights and KV heads, each pipeline stage its half of the layers, compiled or not; steps of a
-pipeline in flight together; clear errors for models that cannot be split; the openai client against
+sharded weights and KV heads, each pipeline stage its share of the layers, compiled or not, GGUF weights
+in their types, both kinds at once over four processes; steps of a pipeline in flight together; clear
+errors for models that cannot be split; the openai client against
 `strata serve` with two ranks, and a rank killed mid-generation failing the server fast; two torchrun
 "nodes"."""
 
@@ -129,6 +130,23 @@ def test_two_ranks_match_one_process(
     check_rank_0(arch, *parts)
 
 
+def test_two_stages_of_two_ranks_match_one_process(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Tensor and pipeline parallel together: 4 processes, each stage sharded over 2 ranks; rank 0 holds
+    half of each projection of its stage's layers only."""
+    expected, got, full, shapes, full_kv_heads, kv_heads = run_both(
+        tiny_model_dir("llama"), tensor_parallel_size=2, pipeline_parallel_size=2
+    )
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert max_logprob_difference(expected, got) < 1e-4
+    layers = {name.split(".")[2] for name in shapes if ".layers." in name}
+    assert layers in ({"0"}, {"0", "1"}) and len(kv_heads) == len(layers)
+    assert {name for name in full if ".layers." in name and name.split(".")[2] in layers} == {
+        name for name in shapes if ".layers." in name
+    }
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert shapes[q] == (full[q][0] // 2, full[q][1]) and kv_heads[0] == full_kv_heads[0] // 2
+
+
 @pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_gguf_weights_split_in_their_types(tmp_path: Path, option: str) -> None:
     """A Q8_0 file: rank 0 keeps its rows, or its whole blocks of columns, of each quantized matrix (a
@@ -240,8 +258,6 @@ def test_models_that_cannot_be_split_into_stages_are_clear_errors(
         LLM(str(tiny_model_dir("gpt2")), skip_tokenizer_init=True, pipeline_parallel_size=2)
     with pytest.raises(ConfigError, match="3 decoder layers, fewer than pipeline_parallel_size=4"):
         LLM(str(tiny_model_dir("llama")), skip_tokenizer_init=True, pipeline_parallel_size=4)
-    with pytest.raises(ConfigError, match="do not combine"):
-        LLM(str(tiny_model_dir("llama")), tensor_parallel_size=2, pipeline_parallel_size=2)
 
 
 @cache

@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,6 +27,8 @@ _local: SharedMemoryCommunicator | None = None
 # (sender, receiver) -> the shared-memory channel between two local pipeline stages this rank is one of.
 _channels: dict[tuple[int, int], SharedMemoryChannel] = {}
 _pipeline_size = 1
+# This stage's tensor-parallel ranks, where there are several stages (else the whole group).
+_tp_group: dist.ProcessGroup | None = None
 _MIN_JOIN_SECONDS = 300.0
 
 
@@ -35,6 +38,12 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def local_rank() -> int:
+    """This rank's place among the engine's ranks on this machine (torchrun's LOCAL_RANK; the ranks an
+    engine spawns all run on its machine)."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
 
 
 def pp_world_size() -> int:
@@ -54,7 +63,8 @@ def tp_rank() -> int:
 
 
 def tp_group() -> dist.ProcessGroup:
-    return dist.group.WORLD  # type: ignore[return-value]
+    """The process group of this rank's tensor-parallel peers (its pipeline stage's ranks)."""
+    return _tp_group if _tp_group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
 def free_local_init_method() -> str:
@@ -110,7 +120,7 @@ def init_distributed(
     for the messages between consecutive stages, which time out after `timeout` seconds so a hung rank
     fails the others instead of blocking them for ever (the process group's own collectives, across
     machines, after at least `_MIN_JOIN_SECONDS`)."""
-    global _local, _pipeline_size
+    global _pipeline_size, _tp_group
     if dist.is_initialized():
         raise RuntimeError(f"this process is already rank {dist.get_rank()} of an engine's process group")
     dist.init_process_group(
@@ -122,61 +132,70 @@ def init_distributed(
         timeout=datetime.timedelta(seconds=max(timeout, _MIN_JOIN_SECONDS)),
     )
     _pipeline_size = pipeline_parallel_size
+    tensor_parallel_size = world_size // pipeline_parallel_size
+    if pipeline_parallel_size > 1 and tensor_parallel_size > 1:
+        for stage in range(pipeline_parallel_size):  # every rank makes every group, in the same order
+            group = dist.new_group(_stage_ranks(stage, tensor_parallel_size))
+            if stage == rank // tensor_parallel_size:
+                _tp_group = group
     if same_machine and shared_memory.supported() and backend == "gloo":
-        if pipeline_parallel_size > 1:
-            _map_channels(rank, world_size, timeout)
-        else:
-            _map_communicator(rank, world_size, timeout)
+        _map_segments(rank, world_size, pipeline_parallel_size, timeout)
 
 
-def _map_communicator(rank: int, world_size: int, timeout: float) -> None:
+def _stage_ranks(stage: int, tensor_parallel_size: int) -> list[int]:
+    return [stage * tensor_parallel_size + t for t in range(tensor_parallel_size)]
+
+
+def _map_segments(rank: int, world_size: int, stages: int, timeout: float) -> None:
+    """Rank 0 creates every segment and sends the others their names: the collectives of each stage's
+    tensor-parallel ranks (where it has several), a channel from each rank to its peer of the next stage,
+    and one from the last stage's first rank back to rank 0 (the logits)."""
     global _local
-    holder = [None]
+    width = world_size // stages
+    groups = {("stage", s): _stage_ranks(s, width) for s in range(stages)} if width > 1 else {}
+    edges = [(r, r + width) for r in range(world_size - width)]
+    if stages > 1:
+        edges.append(((stages - 1) * width, 0))
+    created: dict[Any, Any] = {}
     if rank == 0:
-        _local = SharedMemoryCommunicator(rank, world_size, None, _SLOT_BYTES, timeout)
-        holder = [_local.name]
-    dist.broadcast_object_list(holder, src=0)
-    if rank != 0:
-        _local = SharedMemoryCommunicator(rank, world_size, holder[0], _SLOT_BYTES, timeout)
-    dist.barrier()
-    if rank == 0:  # every rank has mapped it: the name can go, so no crash can leave it behind
-        _local.unlink()
-
-
-def _map_channels(rank: int, world_size: int, timeout: float) -> None:
-    """A channel from each stage to the next, and from the last back to rank 0 (its logits)."""
-    edges = [(r, (r + 1) % world_size) for r in range(world_size)]
-    created = {}
-    if rank == 0:
-        created = {
+        created = {key: SharedMemoryCommunicator(0, width, None, _SLOT_BYTES, timeout) for key in groups}
+        created |= {
             edge: SharedMemoryChannel(None, _CHANNEL_SLOT_BYTES, _CHANNEL_SLOTS, timeout, "")
             for edge in edges
         }
-    holder = [{edge: channel.name for edge, channel in created.items()}]
+    holder = [{key: segment.name for key, segment in created.items()}]
     dist.broadcast_object_list(holder, src=0)
-    for edge, name in holder[0].items():
-        if rank not in edge:
+    for key, name in holder[0].items():
+        members = groups.get(key, key)
+        if rank not in members:
             continue
-        peer = f"rank {edge[1] if edge[0] == rank else edge[0]}"
+        if key in groups:
+            _local = (
+                created[key]
+                if rank == 0
+                else SharedMemoryCommunicator(members.index(rank), width, name, _SLOT_BYTES, timeout)
+            )
+            continue
+        peer = f"rank {key[1] if key[0] == rank else key[0]}"
         if rank == 0:
-            _channels[edge] = created[edge]
-            _channels[edge].peer = peer
+            _channels[key] = created[key]
+            _channels[key].peer = peer
         else:
-            _channels[edge] = SharedMemoryChannel(name, _CHANNEL_SLOT_BYTES, _CHANNEL_SLOTS, timeout, peer)
+            _channels[key] = SharedMemoryChannel(name, _CHANNEL_SLOT_BYTES, _CHANNEL_SLOTS, timeout, peer)
     dist.barrier()
-    for edge, channel in created.items():
-        channel.unlink()
-        if rank not in edge:
-            channel.close()
+    for key, segment in created.items():  # every rank has mapped them: no crash can leave them behind
+        segment.unlink()
+        if rank not in groups.get(key, key):
+            segment.close()
 
 
 def shutdown_distributed() -> None:
     """Leave the process group and unmap the shared segment."""
-    global _local, _pipeline_size
+    global _local, _pipeline_size, _tp_group
     for segment in [_local, *_channels.values()]:
         if segment is not None:
             segment.close()
-    _local, _pipeline_size = None, 1
+    _local, _pipeline_size, _tp_group = None, 1, None
     _channels.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

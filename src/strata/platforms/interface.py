@@ -70,6 +70,11 @@ class Platform:
         _, _, index = device.partition(":")
         return torch.device(self.device_type, int(index)) if index else torch.device(self.device_type)
 
+    def rank_device(self, device: torch.device, local_rank: int) -> torch.device:
+        """The device of the rank `local_rank` of an engine's ranks on this machine, the engine's being
+        `device`: the same for all where they share it (the CPU's cores are split by threads instead)."""
+        return device
+
     # -- start-up -------------------------------------------------------------------------------------
     def prepare(self) -> None:
         """Get the platform ready before the first model is built (build or load its kernels)."""

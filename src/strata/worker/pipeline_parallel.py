@@ -1,8 +1,9 @@
-"""A pipeline-parallel engine's stages: rank s runs the s-th consecutive share of the decoder layers.
+"""A pipeline-parallel engine's stages: stage s runs the s-th consecutive share of the decoder layers, on
+one rank or sharded over several tensor-parallel ones (rank r is tensor-parallel rank r % T of stage r // T).
 
-Rank 0 (the first stage, with the scheduler) runs its layers on a step's plan and sends the plan with
-its hidden states to rank 1, which runs its layers and passes them on; the last stage sends the logits
-back to rank 0. Sending does not wait for the next stage, so rank 0 `submit`s up to one step per stage
+Rank 0 (in the first stage, with the scheduler) broadcasts a step's plan to its stage's other ranks; each
+rank of a stage runs its layers and sends the plan with the hidden states to its peer of the next stage;
+the last stage's first rank sends the logits back to rank 0. Sending does not wait for the next stage, so rank 0 `submit`s up to one step per stage
 before it `collect`s the oldest one's logits: while a later stage runs step k, the earlier ones already
 run steps k + 1, ... (the engine keeps a sequence in one step in flight at a time). Messages go through
 `send_to`/`receive_from`: shared-memory rings between ranks of one machine, the process group's
@@ -17,8 +18,8 @@ from collections.abc import Sequence
 from contextlib import suppress
 
 from strata.config import EngineConfig
-from strata.distributed.communication import receive_from, send_to
-from strata.distributed.parallel_state import pp_rank, pp_world_size
+from strata.distributed.communication import broadcast_object, receive_from, send_to
+from strata.distributed.parallel_state import pp_rank, pp_world_size, rank, tp_rank, tp_world_size
 from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork, StepPlan
 from strata.worker.tensor_parallel import RankFailedError, TensorParallelRunner
 
@@ -33,18 +34,23 @@ class PipelineParallelRunner(TensorParallelRunner):
         self._in_flight: deque[StepPlan] = deque()
         super().__init__(config)
         # Steps in flight at most: one in each stage.
-        self.pipeline_depth = self.world_size
+        self.pipeline_depth = pp_world_size()
 
     def _send(self, message: object) -> None:
-        send_to(1, message)
+        """A control message to this stage's other ranks and down the pipeline."""
+        if tp_world_size() > 1:
+            broadcast_object(message)
+        send_to(tp_world_size(), message)
         self._last_message = time.monotonic()
 
     def submit(self, scheduled: Sequence[ScheduledWork]) -> None:
-        """Run this stage's layers on the step and pass it to the next stage."""
+        """Run this stage's layers on the step (with this stage's other ranks) and pass it on."""
         with self._lock, self._failing_for_good():
             plan = self.plan(scheduled)
+            if tp_world_size() > 1:
+                broadcast_object(plan)
             hidden_states = self.forward(plan)
-            send_to(1, plan, hidden_states)
+            send_to(tp_world_size(), plan, hidden_states)
             self._last_message = time.monotonic()
             self._in_flight.append(plan)
 
@@ -52,7 +58,7 @@ class PipelineParallelRunner(TensorParallelRunner):
         """The logits of the oldest step submitted, once the last stage has sent them."""
         with self._lock, self._failing_for_good():
             plan = self._in_flight.popleft()
-            _, logits = receive_from(self.world_size - 1)
+            _, logits = receive_from(self.world_size - tp_world_size())
             return ModelOutput(logits=logits, sample_rows=plan.sample_rows, prompt_rows=plan.prompt_rows)
 
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
@@ -70,17 +76,24 @@ class PipelineParallelRunner(TensorParallelRunner):
 
 
 def run_stage(runner: ModelRunner) -> None:
-    """A stage past the first: run each plan the previous stage sends on the activations it sends with it,
-    and pass the result on (the last stage sends its logits to rank 0), until the previous stage sends
-    None. Keep-alive messages are passed on too."""
-    rank, world = pp_rank(), pp_world_size()
-    following = (rank + 1) % world
+    """A rank past 0: run each plan on the activations that come with it (the first stage's ranks get the
+    plan from rank 0, the others it and the activations from their peer of the previous stage) and pass
+    the result on (the last stage's first rank sends the logits to rank 0), until the plan is None.
+    Keep-alive messages are passed on too."""
+    me, width = rank(), tp_world_size()
+    first = pp_rank() == 0
     while True:
-        message, stage_input = receive_from(rank - 1)
+        if first:
+            message, stage_input = broadcast_object(), None
+        else:
+            message, stage_input = receive_from(me - width)
         if isinstance(message, StepPlan):
             output = runner.forward(message, stage_input)
-            send_to(following, None if runner.last_stage else message, output)
+            if not runner.last_stage:
+                send_to(me + width, message, output)
+            elif tp_rank() == 0:
+                send_to(0, None, output)
         elif not runner.last_stage:
-            send_to(following, message)
+            send_to(me + width, message)
         if message is None:
             return

@@ -125,10 +125,10 @@ def build_model(
         if restored := unwrap_hub_kernels(model):
             logger.debug("restored %d functions and layers wrapped for Hub kernels", restored)
         sharding = stages = None
+        if pp_world_size() > 1:  # first, so that only this stage's layers are sharded
+            stages = PipelineSplit(model, pp_rank(), pp_world_size())
         if tp_world_size() > 1:
             sharding = TensorParallelSharding(model, tp_rank(), tp_world_size())
-        if pp_world_size() > 1:
-            stages = PipelineSplit(model, pp_rank(), pp_world_size())
         gguf = None
         if model_config.gguf_file is not None:
             gguf = GGUFCheckpoint(model_config.gguf_file, model, model_config.gguf_dequantize)
@@ -153,10 +153,10 @@ def build_model(
     else:
         preloaded, folder = set(), Path(model_config.model)
         tensors, source = _dequantize_pairs(_iter_checkpoint(_checkpoint_files(folder))), str(folder)
-    if sharding is not None:
-        tensors = ((name, sharding.slice_tensor(name, tensor)) for name, tensor in tensors)
     if stages is not None:
         tensors = ((name, tensor) for name, tensor in tensors if stages.loads(name))
+    if sharding is not None:
+        tensors = ((name, sharding.slice_tensor(name, tensor)) for name, tensor in tensors)
     load_weights(model, tensors, source, model_config.torch_dtype, weight_mapping, preloaded)
     if sharding is not None:
         sharding.install_collectives(model)

@@ -64,9 +64,17 @@ class OtherStageLayer(nn.Module):
         return hidden_states
 
 
+class OtherStagePart(nn.Identity):
+    """The final norm or the head on a stage before the last: never used there."""
+
+    is_other_stage = True
+
+
 class PlaceholderEmbedding(nn.Module):
     """The input embedding of a stage past the first: zeros of the embedding's shape, which the first local
     layer's input then replaces with the previous stage's activations."""
+
+    is_other_stage = True
 
     def __init__(self, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -156,12 +164,12 @@ class PipelineSplit:
                 self.dropped.append(path(name))
         if not self.is_last:
             for name in names[position + 1 :]:
-                base.set_submodule(name, nn.Identity())
+                base.set_submodule(name, OtherStagePart())
                 self.dropped.append(path(name))
             # The causal LM's own plan (the head); transformers merges the base model's into it.
             for name in getattr(model, "_pp_plan", None) or {}:
                 if not prefix or not name.startswith(f"{prefix}."):
-                    model.set_submodule(name, nn.Identity())
+                    model.set_submodule(name, OtherStagePart())
                     self.dropped.append(name)
         if not self.is_first:
             layers[self.layers.start].register_forward_pre_hook(_take_stage_input, with_kwargs=True)

@@ -89,6 +89,8 @@ class TensorParallelSharding:
             if match is None:
                 continue
             pattern, style = match
+            if getattr(module, "is_other_stage", False):
+                continue  # another pipeline stage runs it
             if isinstance(module, nn.Embedding):
                 if style == _VOCABULARY and self._splits_vocabulary(path, module, head):
                     self.shards[path] = LinearShard(style, rank * module.num_embeddings // world_size,

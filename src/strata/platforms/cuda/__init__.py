@@ -24,6 +24,14 @@ class CudaPlatform(Platform):
             raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
         return torch_device
 
+    def rank_device(self, device: torch.device, local_rank: int) -> torch.device:
+        """A GPU each: "cuda" becomes the rank's own (nccl refuses two ranks on one device); a device the
+        user named stays theirs."""
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # where nccl's object collectives put their tensors
+        return device
+
     def available_memory(self, device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free
