@@ -26,6 +26,7 @@ import pytest
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
 from strata.models.transformers.pipeline_parallel import stage_layers
+from strata.worker.tensor_parallel import RankFailedError
 
 from gguf_models import write_tiny_gguf
 from remote_server import RemoteServer, free_port
@@ -226,15 +227,28 @@ def test_compiled_bundled_model_tells_the_same_story(option: str) -> None:
 
 
 @pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_an_idle_engine_outlives_the_collective_timeout(option: str) -> None:
+def test_an_idle_engine_lives_and_a_hung_rank_fails_it(option: str) -> None:
     """The other ranks wait for the next step (in a collective, or for a message) with a timeout; while
-    the engine is idle, rank 0's keep-alive messages keep that wait short of the timeout."""
+    the engine is idle, rank 0's keep-alive messages keep that wait short of the timeout. A rank that
+    stops answering (suspended) fails the engine after the timeout, naming it, instead of hanging it."""
+    before = set(psutil.Process().children())
     llm = LLM(distributed_timeout=2.0, **{option: 2})
+    [rank_1] = [
+        child
+        for child in psutil.Process().children()
+        if child not in before and "spawn_main" in " ".join(child.cmdline())
+    ]
     try:
         params = SamplingParams(temperature=0, max_tokens=55)
         time.sleep(5)
         assert llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids == GREEDY_55
+        rank_1.suspend()
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match=r"rank.? \[?1\]? .*within 2.0 s"):
+            llm.generate(PROMPT, params, use_tqdm=False)
+        assert time.monotonic() - start < 30
     finally:
+        rank_1.kill()
         llm.shutdown()
 
 
