@@ -46,10 +46,10 @@ def max_logprob_difference(one, two) -> float:
     return max(abs(a[t].logprob - b[t].logprob) for a, b in steps for t in a if t in b)
 
 
-def run_both(folder: Path, **options: object) -> tuple:
-    single = LLM(str(folder), skip_tokenizer_init=True)
+def run_both(folder: Path, quantization: str | None = None, **options: object) -> tuple:
+    single = LLM(str(folder), skip_tokenizer_init=True, quantization=quantization)
     expected = single.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
-    sharded = LLM(str(folder), skip_tokenizer_init=True, **options)
+    sharded = LLM(str(folder), skip_tokenizer_init=True, quantization=quantization, **options)
     try:
         got = sharded.generate([PROMPT_TOKENS], PARAMS, use_tqdm=False)[0]
         shapes = sharded.apply_model(
@@ -146,6 +146,17 @@ def test_two_stages_of_two_ranks_match_one_process(tiny_model_dir: Callable[[str
     }
     q = "model.layers.0.self_attn.q_proj.weight"
     assert shapes[q] == (full[q][0] // 2, full[q][1]) and kv_heads[0] == full_kv_heads[0] // 2
+
+
+def test_int8_weights_shard(tiny_model_dir: Callable[[str], Path]) -> None:
+    """quantization="int8": each rank quantizes its slice of a weight as it streams in (row-wise slices
+    get their own per-row scales, so logprobs move by the int8 rounding of half rows)."""
+    expected, got, full, shapes, *_ = run_both(
+        tiny_model_dir("llama"), quantization="int8", tensor_parallel_size=2
+    )
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    q, o = (f"model.layers.0.self_attn.{name}.qweight" for name in ("q_proj", "o_proj"))
+    assert shapes[q] == (full[q][0] // 2, full[q][1]) and shapes[o] == (full[o][0], full[o][1] // 2)
 
 
 @pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
