@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from strata.distributed.parallel_state import (
+    group_device,
     local_channel,
     local_communicator,
     rank,
@@ -93,15 +94,6 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return holder[0]
 
 
-def _group_device() -> torch.device:
-    """Where the process group's tensors must be: nccl moves only tensors on the rank's GPU."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
-
-
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order, on every rank of the engine."""
     gathered: list[Any] = [None] * world_size()
@@ -113,7 +105,7 @@ def min_over_ranks(value: int) -> int:
     """The smallest of the engine's ranks' `value`s (what every rank can afford)."""
     if world_size() == 1:
         return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=_group_device())
+    tensor = torch.tensor([value], dtype=torch.int64, device=group_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
 
@@ -145,7 +137,7 @@ def receive_from(sender: int) -> tuple[Any, torch.Tensor | None]:
         obj, meta = holder
         if meta is None:
             return obj, None
-        tensor = torch.empty(meta[1], dtype=meta[0], device=_group_device())
+        tensor = torch.empty(meta[1], dtype=meta[0], device=group_device())
         dist.recv(tensor, src=sender)
         return obj, tensor
 

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from strata.distributed import shared_memory
@@ -29,6 +30,8 @@ _channels: dict[tuple[int, int], SharedMemoryChannel] = {}
 _pipeline_size = 1
 # This stage's tensor-parallel ranks, where there are several stages (else the whole group).
 _tp_group: dist.ProcessGroup | None = None
+# Where this rank's model, and so the tensors of its process group (nccl's on its GPU), live.
+_device = torch.device("cpu")
 _MIN_JOIN_SECONDS = 300.0
 
 
@@ -86,6 +89,15 @@ def torchrun_rank() -> tuple[int, int] | None:
 def same_machine() -> bool:
     """Whether the ranks torchrun started all run on this machine (one node)."""
     return os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+
+
+def group_device() -> torch.device:
+    return _device
+
+
+def set_group_device(device: torch.device) -> None:
+    global _device
+    _device = device
 
 
 def local_communicator() -> SharedMemoryCommunicator | None:
@@ -191,11 +203,11 @@ def _map_segments(rank: int, world_size: int, stages: int, timeout: float) -> No
 
 def shutdown_distributed() -> None:
     """Leave the process group and unmap the shared segment."""
-    global _local, _pipeline_size, _tp_group
+    global _local, _pipeline_size, _tp_group, _device
     for segment in [_local, *_channels.values()]:
         if segment is not None:
             segment.close()
-    _local, _pipeline_size, _tp_group = None, 1, None
+    _local, _pipeline_size, _tp_group, _device = None, 1, None, torch.device("cpu")
     _channels.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

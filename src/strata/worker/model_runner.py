@@ -19,7 +19,7 @@ from torch import nn
 from strata.attention.forward_context import AttentionMetadata, set_forward_context
 from strata.compilation.compiler import CompiledForward, model_forward
 from strata.config import ConfigError, EngineConfig
-from strata.distributed.parallel_state import local_rank, pp_rank, pp_world_size
+from strata.distributed.parallel_state import local_rank, pp_rank, pp_world_size, set_group_device
 from strata.models.transformers.loader import build_model
 from strata.models.transformers.pipeline_parallel import set_stage_input
 
@@ -149,6 +149,7 @@ class ModelRunner:
         self.config = config
         self.platform = platform = config.platform
         self.device = platform.rank_device(config.torch_device, local_rank())
+        set_group_device(self.device)
         self.block_size = config.cache_config.block_size
         self.model: nn.Module
         platform.prepare()
