@@ -166,9 +166,10 @@ def test_killing_every_replica_fails_the_server(server: RemoteServer) -> None:
     assert "every data-parallel replica died: data-parallel replica 0 died" in server.output
 
 
-def test_tensor_parallel_replicas(story: str) -> None:
-    """Each replica may be tensor-parallel: it spawns its own rank."""
-    server = RemoteServer("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+@pytest.mark.parametrize("kind", ["tensor", "pipeline"])
+def test_model_parallel_replicas(story: str, kind: str) -> None:
+    """Each replica may be tensor- or pipeline-parallel: it spawns its own rank."""
+    server = RemoteServer("--data-parallel-size", "2", f"--{kind}-parallel-size", "2")
     try:
         for index in (0, 1):
             [rank] = replica_process(server, index).children()
