@@ -26,7 +26,7 @@ import pytest
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
 from strata.models.transformers.pipeline_parallel import stage_layers
-from strata.worker.tensor_parallel import RankFailedError
+from strata.worker.ranks import RankFailedError
 
 from gguf_models import write_tiny_gguf
 from remote_server import RemoteServer, free_port

@@ -14,7 +14,7 @@ from typing import Any
 
 from strata.engine.llm_engine import LLMEngine
 from strata.outputs import RequestOutput
-from strata.worker.tensor_parallel import RankFailedError
+from strata.worker.ranks import RankFailedError
 
 logger = logging.getLogger("strata.engine_loop")
 

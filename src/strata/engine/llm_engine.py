@@ -37,9 +37,9 @@ from strata.sample import (
 )
 from strata.sampling_params import SamplingParams, SamplingParamsError
 from strata.structured_output import StructuredOutputError, StructuredOutputManager
-from strata.worker.model_runner import ModelOutput, ModelRunner
-from strata.worker.pipeline_parallel import PipelineParallelRunner
-from strata.worker.tensor_parallel import TensorParallelRunner
+from strata.worker.model_runner import ModelOutput
+from strata.worker.ranks import MultiRankRunner
+from strata.worker.runners import runner_class
 
 logger = logging.getLogger("strata.engine")
 
@@ -59,23 +59,13 @@ def load_tokenizer(path: str) -> Any:
         ) from exc
 
 
-def _runner(config: EngineConfig) -> ModelRunner:
-    """The model runner of an engine of one process, or rank 0's of a multi-process one."""
-    parallel = config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        return PipelineParallelRunner(config)
-    if parallel.tensor_parallel_size > 1:
-        return TensorParallelRunner(config)
-    return ModelRunner(config)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_config = config.model_config
         self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-        self.runner = _runner(config)
+        self.runner = runner_class(config.parallel_config)(config)
         # Steps submitted to a pipeline and not collected yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
         self.vocab_size = model_config.vocab_size
@@ -406,7 +396,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the engine's other processes (its ranks); a one-process engine has none."""
-        if isinstance(self.runner, TensorParallelRunner):
+        if isinstance(self.runner, MultiRankRunner):
             self.runner.shutdown()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:

@@ -113,10 +113,11 @@ def run_launched_rank(args: argparse.Namespace, rank: int, model: str | None, **
     import torch
 
     from strata.entrypoints.llm import engine_config
-    from strata.worker.tensor_parallel import run_rank
+    from strata.worker.ranks import run_rank
+    from strata.worker.runners import runner_class
 
     config = engine_config(model, **engine_options(args), **options)
-    run_rank(config, rank, "env://", torch.get_num_threads(), None)
+    run_rank(runner_class(config.parallel_config), config, rank, "env://", torch.get_num_threads(), None)
     return 0
 
 

@@ -21,10 +21,10 @@ from strata.config import EngineConfig
 from strata.distributed.communication import broadcast_object, receive_from, send_to
 from strata.distributed.parallel_state import pp_rank, pp_world_size, rank, tp_rank, tp_world_size
 from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork, StepPlan
-from strata.worker.tensor_parallel import RankFailedError, TensorParallelRunner
+from strata.worker.ranks import MultiRankRunner, RankFailedError
 
 
-class PipelineParallelRunner(TensorParallelRunner):
+class PipelineParallelRunner(MultiRankRunner):
     """The first stage's runner: `submit` starts a step down the pipeline, `collect` returns the logits of
     the oldest step in flight."""
 
@@ -74,26 +74,26 @@ class PipelineParallelRunner(TensorParallelRunner):
         finally:
             super().shutdown()
 
-
-def run_stage(runner: ModelRunner) -> None:
-    """A rank past 0: run each plan on the activations that come with it (the first stage's ranks get the
-    plan from rank 0, the others it and the activations from their peer of the previous stage) and pass
-    the result on (the last stage's first rank sends the logits to rank 0), until the plan is None.
-    Keep-alive messages are passed on too."""
-    me, width = rank(), tp_world_size()
-    first = pp_rank() == 0
-    while True:
-        if first:
-            message, stage_input = broadcast_object(), None
-        else:
-            message, stage_input = receive_from(me - width)
-        if isinstance(message, StepPlan):
-            output = runner.forward(message, stage_input)
-            if not runner.last_stage:
-                send_to(me + width, message, output)
-            elif tp_rank() == 0:
-                send_to(0, None, output)
-        elif not runner.last_stage:
-            send_to(me + width, message)
-        if message is None:
-            return
+    @staticmethod
+    def serve_rank(runner: ModelRunner) -> None:
+        """A rank past 0: run each plan on the activations that come with it (the first stage's ranks get
+        the plan from rank 0, the others it and the activations from their peer of the previous stage) and
+        pass the result on (the last stage's first rank sends the logits to rank 0), until the plan is None.
+        Keep-alive messages are passed on too."""
+        me, width = rank(), tp_world_size()
+        first = pp_rank() == 0
+        while True:
+            if first:
+                message, stage_input = broadcast_object(), None
+            else:
+                message, stage_input = receive_from(me - width)
+            if isinstance(message, StepPlan):
+                output = runner.forward(message, stage_input)
+                if not runner.last_stage:
+                    send_to(me + width, message, output)
+                elif tp_rank() == 0:
+                    send_to(0, None, output)
+            elif not runner.last_stage:
+                send_to(me + width, message)
+            if message is None:
+                return
