@@ -203,15 +203,23 @@ class SharedMemoryChannel(_SharedSegment):
         header = torch.tensor([padded, data.numel()], dtype=torch.int64).view(torch.uint8)
         pickled = torch.zeros(padded, dtype=torch.uint8)
         pickled[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        message = torch.cat([header, pickled, data])
+        # The header and the tensor's bytes back to back, copied chunk by chunk straight into the ring (a
+        # step's activations are not copied into one message first).
+        parts = [torch.cat([header, pickled]), data]
         written = int(self.flags[0, 0])
-        for offset in range(0, message.numel(), self.slot_bytes):
+        part, part_offset = 0, 0
+        for _ in range(0, sum(p.numel() for p in parts), self.slot_bytes):  # a chunk each
             self._wait(
                 lambda written=written: written - int(self.flags[1, 0]) < self.num_slots,
                 lambda: f"{self.peer} did not take a message",
             )
-            chunk = message[offset : offset + self.slot_bytes]
-            self._slot(written)[: chunk.numel()].copy_(chunk)
+            slot, filled = self._slot(written), 0
+            while filled < self.slot_bytes and part < len(parts):
+                count = min(self.slot_bytes - filled, parts[part].numel() - part_offset)
+                slot[filled : filled + count].copy_(parts[part][part_offset : part_offset + count])
+                filled, part_offset = filled + count, part_offset + count
+                if part_offset == parts[part].numel():
+                    part, part_offset = part + 1, 0
             written += 1
             self.flags[0, 0] = written
 
