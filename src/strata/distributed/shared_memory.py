@@ -84,7 +84,7 @@ class _SharedSegment:
             if now > next_check and self.watchdog is not None:
                 next_check = now + _WATCH_SECONDS
                 if (dead := self.watchdog()) is not None:
-                    raise RuntimeError(f"a collective cannot complete: {dead}")
+                    raise RuntimeError(f"{waiting_for()}: {dead}")
 
 
 class SharedMemoryCommunicator(_SharedSegment):
