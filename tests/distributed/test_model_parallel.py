@@ -211,7 +211,7 @@ def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model_dir: Call
 
         for index, prompt in enumerate(prompts):
             engine.add_request(prompt, params, request_id=str(index))
-        while not any(item.seq.in_flight and item.seq.request.request_id == "3"
+        while not any(engine.scheduler.is_in_flight(item.seq) and item.seq.request.request_id == "3"
                       for schedule in engine._in_flight for item in schedule.scheduled):  # fmt: skip
             engine.step()
         engine.abort_request("3")
@@ -221,7 +221,7 @@ def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model_dir: Call
         assert sorted(finished) == ["0", "1", "2", "4", "5"]
         for request_id, output in finished.items():
             assert output.outputs[0].token_ids == expected[int(request_id)].outputs[0].token_ids
-        assert engine.block_manager.usage == 0
+        assert engine.scheduler.block_manager.usage == 0
     finally:
         llm.shutdown()
 

@@ -65,10 +65,10 @@ def test_abort_frees_blocks_at_once(tiny_model_dir: Callable[[str], Path]) -> No
     engine.add_request(PROMPT, SamplingParams(max_tokens=100, ignore_eos=True), request_id="b")
     for _ in range(3):
         engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks < engine.scheduler.block_manager.num_blocks
     engine.abort_request("a")
     engine.abort_request("b")
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     assert not engine.has_unfinished_requests() and engine.step() == []
 
 

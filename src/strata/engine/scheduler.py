@@ -6,6 +6,11 @@ waiting sequences are admitted. When the KV cache runs out of blocks, the newest
 preempted: their blocks are freed and they go back to the front of their request's queue, to be
 recomputed later. Nothing is ever dropped.
 
+The scheduler owns the KV block manager: it allocates a sequence's blocks when it schedules it, registers
+the blocks a step filled when the step's output comes back (`update_from_output`), and frees them when a
+sequence is preempted or finishes. A scheduled sequence is in flight until its step's output comes back
+(at once with one process, a few steps later in a pipeline) and is not scheduled or preempted meanwhile.
+
 Admission is fair between requests, not first come first served by sequence: the next sequence admitted
 is one of the waiting request that has the fewest sequences running, and when the batch is full
 (`max_num_seqs`) while a request has none running, the request with the most running gives up its newest
@@ -19,24 +24,26 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from strata.config import SchedulerConfig
+from strata.config import CacheConfig, SchedulerConfig
 from strata.engine.block_manager import BlockManager
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSequence:
+    """A sequence's share of one step, as it stood when scheduled: `num_tokens` tokens from `start`, and
+    whether they reach its last token (so a new token is sampled after them)."""
+
     seq: Sequence
-    num_tokens: int  # tokens of this sequence computed in this step
+    num_tokens: int
 
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    start: int = field(init=False)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so a new token is sampled after it."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        start = self.seq.num_computed_tokens
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "samples", start + self.num_tokens == self.seq.num_tokens)
 
 
 @dataclass
@@ -114,19 +121,26 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """Which sequences run next, and the KV-cache blocks they hold (`num_blocks` of them in all)."""
+
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int) -> None:
         assert config.max_num_batched_tokens is not None
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = block_manager
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
+        # Sequences in a step whose output has not come back: their blocks are being written.
+        self._in_flight: set[Sequence] = set()
         self.stats = SchedulerStats()
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def is_in_flight(self, seq: Sequence) -> bool:
+        return seq in self._in_flight
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -141,13 +155,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             seq = self.running[i]
-            if seq.in_flight:
+            if seq in self._in_flight:
                 i += 1
                 continue
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, num_tokens):
                 # Newest first; never one in flight, whose step writes its blocks (`seq` itself is not).
-                victim = next(s for s in reversed(self.running) if not s.in_flight)
+                victim = next(s for s in reversed(self.running) if s not in self._in_flight)
                 self.running.remove(victim)
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -187,6 +201,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+        self._in_flight.update(item.seq for item in out.scheduled)
         self.stats.num_steps += 1
         self.stats.num_preemptions += out.num_preempted + fairness_preemptions
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(out.scheduled))
@@ -206,7 +221,7 @@ class Scheduler:
             if count < 2:
                 break
             victim = next(
-                (seq for seq in reversed(self.running) if seq.request is richest and not seq.in_flight), None
+                (s for s in reversed(self.running) if s.request is richest and s not in self._in_flight), None
             )
             if victim is None:
                 break
@@ -215,6 +230,16 @@ class Scheduler:
             running[richest] -= 1
             preempted += 1
         return preempted
+
+    def update_from_output(self, schedule: SchedulerOutput) -> None:
+        """A step's output came back: its sequences' tokens are in the cache now (those that finished
+        meanwhile, aborted while in flight, have no blocks left), and the blocks they filled are cached."""
+        for item in schedule.scheduled:
+            seq = item.seq
+            self._in_flight.discard(seq)
+            if not seq.is_finished:
+                seq.num_computed_tokens = item.start + item.num_tokens
+                self.block_manager.cache_full_blocks(seq, item.start)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

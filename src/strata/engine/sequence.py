@@ -68,8 +68,6 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
-        # In a pipeline-parallel step not collected yet: not scheduled again (or preempted) until it is.
-        self.in_flight = False
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.generator = generator
