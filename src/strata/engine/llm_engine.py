@@ -24,8 +24,8 @@ from strata.engine.prompts import PromptChecker, PromptType
 from strata.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.engine.token_text import TokenTexts
-from strata.gguf_file import find_gguf
-from strata.gguf_file import load_tokenizer as load_gguf_tokenizer
+from strata.gguf.file import find_gguf
+from strata.gguf.file import load_tokenizer as load_gguf_tokenizer
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 from strata.sample import (
     Sampler,
