@@ -16,12 +16,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "strata"
 # Package -> the strata packages it must not import (each folder one idea; imports point down).
 FORBIDDEN = {
     "strata.custom_op": ["strata."],
+    "strata.atomic_file": ["strata."],
+    # The GGUF package spans levels: the file reader and the quant math sit at the bottom (the GGUF layers
+    # compute with them), the weight pairing at the models' level, the converter above strata.converters.
+    "strata.gguf.file": ["strata."],
+    "strata.gguf.quants": ["strata."],
+    "strata.gguf": ["strata.engine", "strata.entrypoints", "strata.sample", "strata.worker"],
+    "strata.converters": ["strata.engine", "strata.entrypoints", "strata.sample", "strata.worker"],
+    "strata.converters.__init__": ["strata.gguf"],  # strata.gguf.converter imports this package
     "strata.platforms.interface": ["strata."],
     "strata.platforms.__init__": ["strata.attention", "strata.compilation", "strata.engine", "strata.models"],
     "strata.platforms": ["strata.engine", "strata.worker", "strata.entrypoints", "strata.models", "strata.sample"],
     "strata.hw_agnostic": [
-        "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.models",
-        "strata.platforms", "strata.sample", "strata.worker",
+        "strata.attention", "strata.compilation", "strata.engine", "strata.entrypoints", "strata.gguf.converter",
+        "strata.gguf.weights", "strata.models", "strata.platforms", "strata.sample", "strata.worker",
     ],
     "strata.attention": [
         "strata.compilation.backend", "strata.compilation.compiler", "strata.compilation.passes",

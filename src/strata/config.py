@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from strata import envs
-from strata.gguf_file import find_gguf
-from strata.gguf_file import load_config as load_gguf_config
+from strata.gguf.file import find_gguf
+from strata.gguf.file import load_config as load_gguf_config
 from strata.platforms import Platform, get_platform
 from strata.plugins import load_plugins
 

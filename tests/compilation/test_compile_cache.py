@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from strata import LLM, SamplingParams
-from strata.compilation import backend
+from strata.atomic_file import write_atomically
 from strata.compilation.compiler import cache_key
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.config import CompilationConfig, ConfigError, EngineConfig, ModelConfig
@@ -120,10 +120,10 @@ def test_cache_writes_are_atomic(tmp_path: Path) -> None:
     """Readers see a whole file or none: a failed write leaves nothing, not even its temporary file."""
     target = tmp_path / "piece.bin"
     with pytest.raises(OSError, match="disk full"):
-        backend._save_atomically(_fail_to_save, target)
+        write_atomically(target, _fail_to_save)
     assert os.listdir(tmp_path) == []
-    backend._save_atomically(_save_whole, target)
-    backend._save_atomically(_save_whole, target)  # a second engine finishing the same piece later
+    write_atomically(target, _save_whole)
+    write_atomically(target, _save_whole)  # a second engine finishing the same piece later
     assert os.listdir(tmp_path) == ["piece.bin"] and target.read_bytes() == b"whole"
 
 

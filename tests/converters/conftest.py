@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from strata.converters import convert_gguf, convert_llama2c
+from strata.converters import convert_llama2c
+from strata.gguf.converter import convert_gguf
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,8 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from strata.converters import ConversionError, convert_gguf
+from strata.converters import ConversionError
+from strata.gguf.converter import convert_gguf
 
 from gguf_models import write_tiny_gguf
 from tiny_models import TINY_CONFIGS

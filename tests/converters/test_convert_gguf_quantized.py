@@ -15,7 +15,7 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file
 
 from strata import LLM, SamplingParams
-from strata.converters import convert_gguf
+from strata.gguf.converter import convert_gguf
 from strata.models.transformers.loader import WeightLoadError
 from strata.models.transformers.quantization import QuantizedTensorError
 

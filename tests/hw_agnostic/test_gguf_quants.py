@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from strata.hw_agnostic.gguf_quants import COMPUTED_TYPES, block_layout, dequantize, row_bytes
+from strata.gguf.quants import COMPUTED_TYPES, block_layout, dequantize, row_bytes
 
 T = GGMLQuantizationType
 TYPES = sorted((T(t) for t in COMPUTED_TYPES), key=lambda t: t.name)

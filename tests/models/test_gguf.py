@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from strata import LLM, SamplingParams
 from strata.custom_op import reference_of
-from strata.gguf_file import open_gguf
+from strata.gguf.file import open_gguf
 from strata.hw_agnostic.layers import GGUFEmbedding, GGUFExperts, GGUFLinear
 from strata.hw_agnostic.layers.gguf import EXPERT_PROJECTIONS
 

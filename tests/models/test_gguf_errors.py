@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import LlamaConfig
 
 from strata import LLM
-from strata.gguf_file import GGUFError
+from strata.gguf.file import GGUFError
 
 from gguf_models import write_tiny_gguf
 

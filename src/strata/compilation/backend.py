@@ -27,9 +27,7 @@ import contextlib
 import contextvars
 import hashlib
 import logging
-import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ import torch.fx as fx
 from torch._dynamo.aot_compile_types import SerializableCallable
 from torch.fx.passes.split_module import split_module
 
+from strata.atomic_file import write_atomically
 from strata.compilation.layer_name import OpaqueBase, split_points
 from strata.compilation.passes import PassManager, traced_value
 from strata.platforms import Platform
@@ -318,7 +317,7 @@ class StrataBackend:
         self.stats.compiled += 1
         self.stats.compiled_cpp_wrapper += options["cpp_wrapper"]
         if path is not None:
-            _save_atomically(lambda tmp: artifact.save(path=tmp, format="binary"), path)
+            write_atomically(path, lambda tmp: artifact.save(path=str(tmp), format="binary"))
         self._pieces[key] = artifact
         return artifact
 
@@ -474,15 +473,3 @@ def _drop_trace_metadata(graph: fx.Graph) -> None:
         node.meta = {}
 
 
-def _save_atomically(save: Callable[[str], Any], path: Path) -> None:
-    """`save(tmp)` to a private temporary file in the same folder, then rename: readers never see a partial
-    file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -17,6 +17,7 @@ from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from strata import __version__
+from strata.atomic_file import write_atomically
 from strata.compilation.backend import (
     INDUCTOR_OPTIONS,
     CompiledGraph,
@@ -24,7 +25,6 @@ from strata.compilation.backend import (
     GraphCallRecorder,
     GraphCallSkipped,
     StrataBackend,
-    _save_atomically,
 )
 from strata.compilation.layer_name import LAYER_NAME_ATTR, LayerName
 from strata.compilation.passes import PassManager
@@ -216,7 +216,7 @@ class TracedFunction:
             compiled.aot_compile((_with_unbacked_dims(args, unbacked), {}))
         ).serialized_data
         if self.cache_dir is not None:
-            _save_atomically(lambda tmp: Path(tmp).write_bytes(data), self._path(len(self.traces)))
+            write_atomically(self._path(len(self.traces)), lambda tmp: tmp.write_bytes(data))
         self.traces.append(self._deserialize(data, loaded=False))
         return self.traces[-1]
 

@@ -1,7 +1,7 @@
-"""Converters from other model formats (llama2.c, GGUF) to standard Hugging Face folders."""
+"""Converters from other model formats to standard Hugging Face folders: llama2.c checkpoints, and the
+folder and SentencePiece tokenizer writers that the GGUF converter (`strata.gguf.converter`) shares."""
 
 from strata.converters.errors import ConversionError
-from strata.converters.gguf import convert_gguf
 from strata.converters.llama2c import convert_llama2c
 
-__all__ = ["ConversionError", "convert_gguf", "convert_llama2c"]
+__all__ = ["ConversionError", "convert_llama2c"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from strata.converters.gguf import convert_gguf
 from strata.converters.llama2c import convert_llama2c
+from strata.gguf.converter import convert_gguf
 
 
 def _run_llama2c(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from strata.atomic_file import write_atomically
 from strata.converters.errors import ConversionError
 from strata.converters.sentencepiece_bpe import SentencePieceVocab, write_tokenizer_files
 
@@ -172,8 +172,8 @@ def _write_safetensors(path: Path, tensors: dict[str, TensorSource], source: str
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keeps the data 8-byte aligned, as the format recommends
-    partial = path.with_name(path.name + ".partial")
-    try:
+
+    def write(partial: Path) -> None:
         with partial.open("wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
@@ -187,9 +187,8 @@ def _write_safetensors(path: Path, tensors: dict[str, TensorSource], source: str
                 array = np.ascontiguousarray(tensor.load(), dtype=_SAFETENSORS_DTYPES[tensor.dtype])
                 assert array.shape == tensor.shape, (name, array.shape, tensor.shape)
                 f.write(array.data)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+
+    write_atomically(path, write)
 
 
 def _with_quantized(

@@ -25,8 +25,8 @@ from strata.engine.prompts import PromptChecker, PromptType
 from strata.engine.scheduler import Scheduler, SchedulerOutput
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.engine.step_sampler import StepSampler
-from strata.gguf_file import find_gguf
-from strata.gguf_file import load_tokenizer as load_gguf_tokenizer
+from strata.gguf.file import find_gguf
+from strata.gguf.file import load_tokenizer as load_gguf_tokenizer
 from strata.outputs import RequestOutput
 from strata.sample import Sampler, TokenConstraints
 from strata.sampling_params import SamplingParams, SamplingParamsError

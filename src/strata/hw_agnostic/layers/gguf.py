@@ -3,7 +3,7 @@ stacked experts of a mixture of experts.
 
 The weight is the file's raw blocks, one row of bytes per output channel (`qweight`, uint8 [rows,
 row_bytes]), often a view of the memory-mapped file itself; `qtype` is its `GGMLQuantizationType`. The
-references dequantize in pure PyTorch (`strata.hw_agnostic.gguf_quants`), so they run on any device;
+references dequantize in pure PyTorch (`strata.gguf.quants`), so they run on any device;
 platforms compute on the blocks directly.
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from strata.custom_op import CustomOp, PluggableLayer
-from strata.hw_agnostic.gguf_quants import block_layout, dequantize, row_bytes
+from strata.gguf.quants import block_layout, dequantize, row_bytes
 from strata.hw_agnostic.layers.linear import LinearShape
 
 

@@ -36,7 +36,8 @@ except ImportError:
 from strata.config import ConfigError, LayerConfig, ModelConfig, set_current_layer_config
 from strata.custom_op import RegisteredLayer, describe_layers, summarize_layers
 from strata.distributed.parallel_state import pp_rank, pp_world_size, tp_rank, tp_world_size
-from strata.gguf_file import load_config as load_gguf_config
+from strata.gguf.file import load_config as load_gguf_config
+from strata.gguf.weights import GGUFCheckpoint
 from strata.hw_agnostic.layers import Int8Linear
 from strata.models.transformers.attention import (
     ATTN_IMPLEMENTATION,
@@ -52,7 +53,6 @@ from strata.models.transformers.fusers import (
     replace_layer_norms,
     replace_linears,
 )
-from strata.models.transformers.gguf_weights import GGUFCheckpoint
 from strata.models.transformers.hub_kernels import unwrap_hub_kernels
 from strata.models.transformers.layers import LayerResolver
 from strata.models.transformers.pipeline_parallel import PipelineSplit

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from strata import envs
+from strata.atomic_file import write_atomically
 from strata.platforms.cpu.kernels import cpu_description
 
 logger = logging.getLogger("strata.compilation")
@@ -61,11 +62,8 @@ def check_instruction_sets() -> None:
         config.cpp.vec_isa_ok = json.loads(path.read_text()).get("passed") == candidates or None
     cpu_vec_isa.pick_vec_isa()  # cached for the process
     if config.cpp.vec_isa_ok is None and candidates:
-        path.parent.mkdir(parents=True, exist_ok=True)
         passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"passed": passed}))
-        os.replace(tmp, path)
+        write_atomically(path, lambda tmp: tmp.write_text(json.dumps({"passed": passed})))
 
 
 def _check_in_background() -> None:

@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch.utils.cpp_extension
 from tqdm import tqdm
 
 from strata import envs
+from strata.atomic_file import write_atomically
+from strata.gguf.quants import block_layout
 
 logger = logging.getLogger("strata.platforms.cpu")
 
@@ -91,17 +92,12 @@ def _library(name: str, compiler: str) -> tuple[Path, list[str]]:
 
 def _build(target: Path, command: list[str]) -> None:
     """Run `command` into a private file beside `target`, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        subprocess.run(
-            [tmp if arg == "TARGET" else arg for arg in command], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomically(
+        target,
+        lambda tmp: subprocess.run(
+            [str(tmp) if arg == "TARGET" else arg for arg in command], check=True, capture_output=True, text=True
+        ),
+    )
 
 
 def build_all() -> None:
@@ -226,13 +222,6 @@ def _register_argmax_fake() -> None:
         return x.new_empty(x.shape[0], dtype=torch.int64)
 
 
-# (weights, bytes) per block of the GGUF types `strata_cpu::gguf_linear` computes on, by ggml type number.
-_GGUF_BLOCKS = {
-    0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
-}  # fmt: skip
-
-
 def _register_gguf_fake() -> None:
     """Outputs of `strata_cpu::gguf_linear` ([M, N] float32) and `strata_cpu::gguf_embedding` (float32
     [*ids.shape, K], K from the row's bytes) for `torch.compile`."""
@@ -245,7 +234,7 @@ def _register_gguf_fake() -> None:
 
     @torch.library.register_fake("strata_cpu::gguf_embedding")
     def _gguf_embedding_fake(qweight: torch.Tensor, ids: torch.Tensor, qtype: int) -> torch.Tensor:
-        elems, size = _GGUF_BLOCKS[qtype]
+        elems, size = block_layout(qtype)
         return qweight.new_empty(*ids.shape, qweight.shape[1] // size * elems, dtype=torch.float32)
 
 

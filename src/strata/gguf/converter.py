@@ -4,7 +4,7 @@ Llama-architecture files with a SentencePiece vocabulary and F32, F16, BF16 or Q
 exports, the shared stories260K) are written by this module's own Llama writer, whose tokenizer matches
 the original SentencePiece model piece for piece. Every other file transformers reads from GGUF (any
 architecture, BPE vocabularies, K-quants) goes through Strata's GGUF loader into transformers' own model
-class, dequantized, and is saved by transformers. Files are opened by `strata.gguf_file`, whose errors
+class, dequantized, and is saved by transformers. Files are opened by `strata.gguf.file`, whose errors
 name the file and the problem.
 
 With
@@ -33,7 +33,7 @@ from strata.converters.hf_folder import (
     write_hf_folder,
 )
 from strata.converters.sentencepiece_bpe import PieceType, SentencePieceVocab
-from strata.gguf_file import GGUFError, load_tokenizer, open_gguf
+from strata.gguf.file import GGUFError, load_tokenizer, open_gguf
 
 SUPPORTED_TYPES = (
     GGMLQuantizationType.F32,

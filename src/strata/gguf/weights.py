@@ -40,8 +40,8 @@ from transformers.modeling_gguf_pytorch_utils import (
 )
 from transformers.pytorch_utils import Conv1D
 
-from strata.gguf_file import GGUFError, architecture, open_gguf
-from strata.hw_agnostic.gguf_quants import COMPUTED_TYPES
+from strata.gguf.file import GGUFError, architecture, open_gguf
+from strata.gguf.quants import COMPUTED_TYPES
 from strata.hw_agnostic.layers.gguf import EXPERT_PROJECTIONS
 from strata.models.transformers.layers import LayerResolver
 from strata.models.transformers.tensor_parallel import LinearShard
