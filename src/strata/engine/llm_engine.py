@@ -19,11 +19,10 @@ import torch
 from strata.config import ConfigError, EngineConfig
 from strata.distributed.communication import collective_seconds
 from strata.engine.block_manager import BlockManager
-from strata.engine.detokenizer import IncrementalDetokenizer
+from strata.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from strata.engine.prompts import PromptChecker, PromptType
 from strata.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from strata.engine.sequence import Request, Sequence, SequenceStatus
-from strata.engine.token_text import TokenTexts
 from strata.gguf_file import find_gguf
 from strata.gguf_file import load_tokenizer as load_gguf_tokenizer
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
