@@ -31,7 +31,9 @@ def cleanup_tokenizer() -> Any:
     model.normalizer = normalizers.BertNormalizer(lowercase=False)
     model.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     model.decoder = decoders.WordPiece()
-    model.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[CLS]"]))
+    model.train_from_iterator(
+        corpus, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]", "[CLS]"])
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=model, unk_token="[UNK]", cls_token="[CLS]", clean_up_tokenization_spaces=True
     )
@@ -135,7 +137,12 @@ def engine_text(tokenizer: Any, prompt: list[int], output: list[int], skip_speci
 
 
 def streamed_pieces(
-    tokenizer: Any, texts: TokenTexts, prompt: list[int], output: list[int], skip_special_tokens: bool, chunk: int
+    tokenizer: Any,
+    texts: TokenTexts,
+    prompt: list[int],
+    output: list[int],
+    skip_special_tokens: bool,
+    chunk: int,
 ) -> list[TokenPiece | None]:
     """The pieces as the server lists them for a stream: a detokenizer built from the request's prompt ids,
     fed the tokens `chunk` at a time, the last chunk final."""
@@ -154,7 +161,9 @@ def test_the_pieces_are_the_engine_text_cut_at_its_tokens(any_tokenizer: Any) ->
     tokenizer = any_tokenizer
     texts = TokenTexts(tokenizer)
     generator = torch.Generator().manual_seed(0)
-    natural = tokenizer.encode("Lily said: " + TEXT + " Tom said: hello, world! Is it nice? Yes (a dog) - fast!")
+    natural = tokenizer.encode(
+        "Lily said: " + TEXT + " Tom said: hello, world! Is it nice? Yes (a dog) - fast!"
+    )
     cases = [(natural[:cut], natural[cut:], True) for cut in (1, 2, 4, 9)]
     for _ in range(12):
         ids = torch.randint(0, len(tokenizer), (16,), generator=generator).tolist()

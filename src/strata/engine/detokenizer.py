@@ -159,8 +159,7 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Append one generated token and return the text it completes (possibly empty)."""
-        self.token_ids.append(token_id)
-        return self._emit(final=False) or ""
+        return self._step(token_id) or ""
 
     def flush(self) -> str:
         """At the end of generation: emit whatever is pending, even an incomplete character."""
@@ -181,8 +180,7 @@ class IncrementalDetokenizer:
         return pieces
 
     def _piece(self, token_id: int) -> TokenPiece | None:
-        self.token_ids.append(token_id)
-        text = self._emit(final=False)
+        text = self._step(token_id)
         if text is None:
             if self.skip_special_tokens and token_id in self.token_texts.special_ids:
                 return None
@@ -200,6 +198,10 @@ class IncrementalDetokenizer:
             raw = self.token_texts.token_bytes(token_id)
         self._open_bytes = b""
         return TokenPiece(token_id, text, raw)
+
+    def _step(self, token_id: int) -> str | None:
+        self.token_ids.append(token_id)
+        return self._emit(final=False)
 
     def _emit(self, final: bool) -> str | None:
         """The text the tokens since the last emission add; None while it ends in an open character."""
