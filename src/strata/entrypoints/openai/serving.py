@@ -437,7 +437,8 @@ class OpenAIServing:
         self, prompt_token_ids: list[int], skip_special_tokens: bool
     ) -> IncrementalDetokenizer | None:
         """A detokenizer built as the engine builds a sequence's (from the same prompt ids and
-        `skip_special_tokens`), so the pieces it lists join up to the engine's text; [] for a prompt's own."""
+        `skip_special_tokens`), so the pieces it lists join up to the engine's text; with no prompt ids, it
+        lists a prompt's own tokens."""
         if self.token_texts is None:
             return None
         return IncrementalDetokenizer(
