@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from strata.engine.detokenizer import IncrementalDetokenizer
+from strata.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from strata.engine.scheduler import ScheduledSequence
 from strata.engine.sequence import Request, Sequence, SequenceStatus
 from strata.engine.step_sampler import SampledToken
-from strata.engine.token_text import TokenTexts
 from strata.outputs import CompletionOutput, Logprob, RequestOutput
 from strata.sample import TokenLogprobs, compute_prompt_logprobs
 from strata.sampling_params import SamplingParams

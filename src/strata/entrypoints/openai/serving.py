@@ -18,10 +18,10 @@ from pydantic import BaseModel
 from starlette.requests import Request as HTTPRequest
 
 from strata import __version__
+from strata.engine.detokenizer import IncrementalDetokenizer, TokenPiece, TokenTexts
 from strata.engine.engine_client import EngineClient
 from strata.engine.engine_loop import EngineDeadError
 from strata.engine.prompts import PromptError, PromptType
-from strata.engine.token_text import PieceDecoder, TokenPiece, TokenTexts
 from strata.entrypoints.openai.metrics import ServerMetrics
 from strata.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -433,8 +433,17 @@ class OpenAIServing:
         return PreparedPrompt(text, ids, params)
 
     # -- logprob token strings ---------------------------------------------------------------------------
-    def piece_decoder(self, skip_special_tokens: bool, at_start: bool = False) -> PieceDecoder | None:
-        return self.token_texts.decoder(skip_special_tokens, at_start) if self.token_texts else None
+    def detokenizer(
+        self, prompt_token_ids: list[int], skip_special_tokens: bool
+    ) -> IncrementalDetokenizer | None:
+        """A detokenizer built as the engine builds a sequence's (from the same prompt ids and
+        `skip_special_tokens`), so the pieces it lists join up to the engine's text; with no prompt ids, it
+        lists a prompt's own tokens."""
+        if self.token_texts is None:
+            return None
+        return IncrementalDetokenizer(
+            self.engine.tokenizer, prompt_token_ids, skip_special_tokens, self.token_texts
+        )
 
     def candidate_text(self, token_id: int, as_ids: bool) -> str:
         """A top-logprob candidate's string: `token_id:N` on request, else its own text."""
@@ -443,13 +452,13 @@ class OpenAIServing:
         return self.token_texts.standalone(token_id)
 
     def pieces(
-        self, decoder: PieceDecoder | None, token_ids: list[int], final: bool
+        self, decoder: IncrementalDetokenizer | None, token_ids: list[int], final: bool
     ) -> list[TokenPiece | None]:
         """The listed pieces of `token_ids` (None for skipped special tokens); without a tokenizer each
         token is listed by id, with no text."""
         if decoder is None:
             return [TokenPiece(token_id, "", b"") for token_id in token_ids]
-        return decoder.feed(token_ids, final)
+        return decoder.add_tokens(token_ids, final)
 
     def prompt_logprobs(
         self, output: RequestOutput, num: int | None, as_ids: bool

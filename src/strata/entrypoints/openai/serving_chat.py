@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
-from strata.engine.token_text import PieceDecoder
+from strata.engine.detokenizer import IncrementalDetokenizer
 from strata.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -64,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
             events = self._stream(request, prepared, request_id, model, echo, tools)
             return StreamingResponse(self.event_stream(events), media_type="text/event-stream")
         [output] = await self.final_outputs(raw_request, [prepared], request_id)
-        choices = [self._choice(request, completion, echo, tools) for completion in output.outputs]
+        choices = [self._choice(request, prepared, completion, echo, tools) for completion in output.outputs]
         return ChatCompletionResponse(
             id=request_id,
             model=model,
@@ -79,6 +79,7 @@ class OpenAIServingChat(OpenAIServing):
     def _choice(
         self,
         request: ChatCompletionRequest,
+        prepared: PreparedPrompt,
         completion: CompletionOutput,
         echo: str,
         tools: ToolCalling | None,
@@ -94,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatChoice(
             index=completion.index,
             message=message,
-            logprobs=self._logprobs(request, self._decoder(request), completion, 0, final=True),
+            logprobs=self._logprobs(request, self._decoder(request, prepared), completion, 0, final=True),
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         )
@@ -108,8 +109,13 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return OpenAIServing._message_text(last)
 
-    def _decoder(self, request: ChatCompletionRequest) -> PieceDecoder | None:
-        return self.piece_decoder(request.skip_special_tokens) if request.logprobs else None
+    def _decoder(
+        self, request: ChatCompletionRequest, prepared: PreparedPrompt
+    ) -> IncrementalDetokenizer | None:
+        """What lists a choice's logprob tokens: the engine's detokenizer, built from what the engine gets."""
+        if not request.logprobs:
+            return None
+        return self.detokenizer(prepared.token_ids, prepared.params.skip_special_tokens)
 
     @staticmethod
     def _usage(prepared: PreparedPrompt, output: RequestOutput) -> UsageInfo:
@@ -141,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             if echo:
                 yield chunk([ChatChunkChoice(index=index, delta={"content": echo})])
         states = [StreamState(self.holdback(prepared.params)) for _ in range(request.n)]
-        decoders = [self._decoder(request) for _ in range(request.n)]
+        decoders = [self._decoder(request, prepared) for _ in range(request.n)]
         tool_streams = [tools.streamer() if tools is not None else None for _ in range(request.n)]
         last: RequestOutput | None = None
         async for _, output in self.generate_all([prepared], request_id):
@@ -176,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
     def _logprobs(
         self,
         request: ChatCompletionRequest,
-        decoder: PieceDecoder | None,
+        decoder: IncrementalDetokenizer | None,
         completion: CompletionOutput,
         first_token: int,
         final: bool,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
-from strata.engine.token_text import PieceDecoder, TokenPiece
+from strata.engine.detokenizer import IncrementalDetokenizer, TokenPiece
 from strata.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -32,10 +32,10 @@ from strata.outputs import CompletionOutput, Logprob, RequestOutput
 
 @dataclass
 class LogprobCursor:
-    """Where one choice's logprobs stand: the decoder (which carries a character still open at the end of
-    the last chunk) and the text offset of the next token."""
+    """Where one choice's logprobs stand: the engine's detokenizer, rebuilt (which carries a character still
+    open at the end of the last chunk), and the text offset of the next token."""
 
-    decoder: PieceDecoder | None
+    decoder: IncrementalDetokenizer | None
     text_offset: int = 0
 
 
@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion,
                     text=completion.text,
                     first_token=0,
-                    cursor=self._cursor(request),
+                    cursor=self._cursor(prepared[prompt_index]),
                     echo=request.echo,
                     done=True,
                 )
@@ -97,8 +97,8 @@ class OpenAIServingCompletion(OpenAIServing):
             return [prompt]  # type: ignore[list-item]
         return list(prompt)  # type: ignore[arg-type]
 
-    def _cursor(self, request: CompletionRequest) -> LogprobCursor:
-        return LogprobCursor(self.piece_decoder(request.skip_special_tokens))
+    def _cursor(self, prompt: PreparedPrompt) -> LogprobCursor:
+        return LogprobCursor(self.detokenizer(prompt.token_ids, prompt.params.skip_special_tokens))
 
     @staticmethod
     def _usage(prepared: list[PreparedPrompt], outputs: list[RequestOutput]) -> UsageInfo:
@@ -115,7 +115,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for prompt_index, prompt in enumerate(prepared)
             for index in range(request.n)
         }
-        cursors = {key: self._cursor(request) for key in states}
+        cursors = {key: self._cursor(prepared[key[0]]) for key in states}
         last_outputs: dict[int, RequestOutput] = {}
         async for prompt_index, output in self.generate_all(prepared, request_id):
             last_outputs[prompt_index] = output
@@ -203,8 +203,7 @@ class OpenAIServingCompletion(OpenAIServing):
         not in its text, so they are left out; a prompt of token ids is echoed with them, so they stay."""
         pieces: list[TokenPiece | None] = []
         for skip_special_tokens in (True, False):
-            decoder = self.piece_decoder(skip_special_tokens, at_start=True)
-            pieces = self.pieces(decoder, token_ids, final=True)
+            pieces = self.pieces(self.detokenizer([], skip_special_tokens), token_ids, final=True)
             if "".join(piece.text for piece in pieces if piece is not None) == prompt_text:
                 break
         return pieces
