@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -14,16 +15,7 @@ from typing import Any
 import pytest
 
 from strata import LLM
-from strata.config import (
-    CacheConfig,
-    CompilationConfig,
-    ConfigError,
-    EngineConfig,
-    LayerConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from strata.config import ConfigError, EngineConfig, LayerConfig, ModelConfig
 from strata.engine_args import EngineArgs
 from strata.entrypoints.cli import GENERATE_OPTIONS, build_parser
 from strata.entrypoints.layers_cli import LAYERS_OPTIONS
@@ -48,14 +40,7 @@ COMMANDS = {
 }
 
 # Where each config dataclass sits in an `EngineConfig`.
-PARTS = {
-    ModelConfig: "model_config",
-    CacheConfig: "cache_config",
-    SchedulerConfig: "scheduler_config",
-    LayerConfig: "layer_config",
-    CompilationConfig: "compilation_config",
-    ParallelConfig: "parallel_config",
-}
+PARTS = {hint: name for name, hint in typing.get_type_hints(EngineConfig).items() if name.endswith("_config")}
 # Options whose non-default value an `LLM` is not built with here: they start processes or compile (the
 # tests of tensor/pipeline parallelism and of compilation build such LLMs); an LLM refuses data parallelism.
 NOT_BUILT = {"compile", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}

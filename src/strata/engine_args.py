@@ -83,6 +83,7 @@ class EngineArgs:
     """The options of one engine. Each field names the config dataclass it configures (`metadata["config"]`)
     and says what it does in one line (`metadata["help"]`)."""
 
+    # What model, and what it computes in (ModelConfig).
     model: str | None = field(
         default=None,
         metadata={
@@ -103,6 +104,31 @@ class EngineArgs:
     skip_tokenizer_init: bool = _option(
         ModelConfig, "skip_tokenizer_init", "load no tokenizer: prompts are token ids, outputs have no text"
     )
+    quantization: str | None = _option(
+        ModelConfig,
+        "quantization",
+        "int8: weight-only int8 Linear layers, quantized per channel at load (default: off, or what the model "
+        "folder was stored as)",
+        choices=QUANTIZATION_METHODS,
+    )
+    gguf_dequantize: bool = _option(
+        ModelConfig,
+        "gguf_dequantize",
+        "dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load, with a warning, "
+        "instead of refusing the file",
+    )
+
+    # Where it runs (EngineConfig).
+    device: str = _option(
+        EngineConfig, "device", "the platform to run on: cpu, cuda, cuda:N, or a plugin's platform"
+    )
+    adaptive_threads: bool | None = _option(
+        EngineConfig,
+        "adaptive_threads",
+        "let the CPU thread count follow measured step times (default: STRATA_ADAPTIVE_THREADS, on)",
+    )
+
+    # The paged KV cache (CacheConfig).
     block_size: int = _option(CacheConfig, "block_size", "tokens per KV-cache block")
     kv_cache_memory: int | None = _option(
         CacheConfig,
@@ -119,6 +145,8 @@ class EngineArgs:
     enable_prefix_caching: bool = _option(
         CacheConfig, "enable_prefix_caching", "reuse the KV cache of prompt prefixes computed before"
     )
+
+    # Each step's batch (SchedulerConfig).
     max_num_seqs: int = _option(SchedulerConfig, "max_num_seqs", "most sequences in one batch")
     max_num_batched_tokens: int | None = _option(
         SchedulerConfig,
@@ -128,9 +156,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _option(
         SchedulerConfig, "enable_chunked_prefill", "let a long prompt take several steps"
     )
-    device: str = _option(
-        EngineConfig, "device", "the platform to run on: cpu, cuda, cuda:N, or a plugin's platform"
-    )
+
+    # Which implementation each layer runs (LayerConfig).
     layer_impl: str | None = _option(
         LayerConfig,
         "layer_impl",
@@ -158,6 +185,8 @@ class EngineArgs:
         "CPUs with AMX, at every row count (default: torch's own setting, 'highest' unless changed)",
         choices=FP32_MATMUL_PRECISIONS,
     )
+
+    # Compilation (CompilationConfig).
     compile: bool | None = _option(
         CompilationConfig,
         "compile",
@@ -171,24 +200,8 @@ class EngineArgs:
             "given, wins over its own)",
         },
     )
-    quantization: str | None = _option(
-        ModelConfig,
-        "quantization",
-        "int8: weight-only int8 Linear layers, quantized per channel at load (default: off, or what the model "
-        "folder was stored as)",
-        choices=QUANTIZATION_METHODS,
-    )
-    gguf_dequantize: bool = _option(
-        ModelConfig,
-        "gguf_dequantize",
-        "dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load, with a warning, "
-        "instead of refusing the file",
-    )
-    adaptive_threads: bool | None = _option(
-        EngineConfig,
-        "adaptive_threads",
-        "let the CPU thread count follow measured step times (default: STRATA_ADAPTIVE_THREADS, on)",
-    )
+
+    # Processes (ParallelConfig).
     tensor_parallel_size: int = _option(
         ParallelConfig,
         "tensor_parallel_size",

@@ -40,6 +40,10 @@ class LLM:
         max_model_len: int | None = EngineArgs.max_model_len,
         seed: int = EngineArgs.seed,
         skip_tokenizer_init: bool = EngineArgs.skip_tokenizer_init,
+        quantization: str | None = EngineArgs.quantization,
+        gguf_dequantize: bool = EngineArgs.gguf_dequantize,
+        device: str = EngineArgs.device,
+        adaptive_threads: bool | None = EngineArgs.adaptive_threads,
         block_size: int = EngineArgs.block_size,
         kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
         kv_cache_dtype: str = EngineArgs.kv_cache_dtype,
@@ -47,16 +51,12 @@ class LLM:
         max_num_seqs: int = EngineArgs.max_num_seqs,
         max_num_batched_tokens: int | None = EngineArgs.max_num_batched_tokens,
         enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
-        device: str = EngineArgs.device,
         layer_impl: str | None = EngineArgs.layer_impl,
         custom_ops: Sequence[str] = EngineArgs.custom_ops,
         prepack_weights: bool | None = EngineArgs.prepack_weights,
         fp32_matmul_precision: str | None = EngineArgs.fp32_matmul_precision,
         compile: bool | None = EngineArgs.compile,
         compilation_config: CompilationConfig | Mapping[str, Any] | None = EngineArgs.compilation_config,
-        quantization: str | None = EngineArgs.quantization,
-        gguf_dequantize: bool = EngineArgs.gguf_dequantize,
-        adaptive_threads: bool | None = EngineArgs.adaptive_threads,
         tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
         pipeline_parallel_size: int = EngineArgs.pipeline_parallel_size,
         data_parallel_size: int = EngineArgs.data_parallel_size,
@@ -73,6 +73,13 @@ class LLM:
             max_model_len: context length in tokens (default: the model's)
             seed: the engine's sampling seed, for requests that give none
             skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs have no text
+            quantization: int8: weight-only int8 Linear layers, quantized per channel at load (default: off,
+                or what the model folder was stored as)
+            gguf_dequantize: dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load,
+                with a warning, instead of refusing the file
+            device: the platform to run on: cpu, cuda, cuda:N, or a plugin's platform
+            adaptive_threads: let the CPU thread count follow measured step times (default:
+                STRATA_ADAPTIVE_THREADS, on)
             block_size: tokens per KV-cache block
             kv_cache_memory: bytes for the KV cache (default: STRATA_KV_CACHE_MEMORY, else max_num_seqs
                 full-length sequences, at most a quarter of free memory)
@@ -82,7 +89,6 @@ class LLM:
             max_num_batched_tokens: most tokens in one step (default: 2048, or a whole prompt when chunked
                 prefill is off)
             enable_chunked_prefill: let a long prompt take several steps
-            device: the platform to run on: cpu, cuda, cuda:N, or a plugin's platform
             layer_impl: layer implementations: default, or hw-agnostic (every op's pure-PyTorch reference)
                 (default: hw-agnostic when STRATA_USE_HW_AGNOSTIC=1, else default)
             custom_ops: which ops use their platform's implementation: 'all' or 'none', then '+op' or '-op'
@@ -96,12 +102,6 @@ class LLM:
             compile: torch.compile the model forward, piecewise (default: STRATA_COMPILE, off)
             compilation_config: how the forward is compiled: a CompilationConfig or a dict of its fields
                 (compile, when given, wins over its own)
-            quantization: int8: weight-only int8 Linear layers, quantized per channel at load (default: off,
-                or what the model folder was stored as)
-            gguf_dequantize: dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load,
-                with a warning, instead of refusing the file
-            adaptive_threads: let the CPU thread count follow measured step times (default:
-                STRATA_ADAPTIVE_THREADS, on)
             tensor_parallel_size: processes the model is sharded over, each with its share of the cores
             pipeline_parallel_size: pipeline stages the decoder layers are split over, a process each
             data_parallel_size: engine replicas behind the server, each a process with its share of the
