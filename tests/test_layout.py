@@ -55,6 +55,8 @@ FORBIDDEN = {
     "strata.models": ["strata.engine", "strata.entrypoints", "strata.sample", "strata.worker"],
     "strata.worker": ["strata.engine", "strata.entrypoints", "strata.sample"],
     "strata.engine": ["strata.entrypoints"],
+    # Shared by every level, beside config.py: it builds configs, nothing that runs them.
+    "strata.engine_args": ["strata.engine.", "strata.entrypoints", "strata.worker", "strata.models"],
 }  # fmt: skip
 
 DEVICE_NAMES = {"cpu", "cuda", "mps", "xpu", "hpu", "npu"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -173,11 +173,14 @@ class CacheConfig:
     keeps float16 keys and values by default); the attention math stays in the model's dtype."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = field(default_factory=envs.kv_cache_memory_default)
+    # None takes STRATA_KV_CACHE_MEMORY; without it the model runner sizes the cache from free memory.
+    kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_memory is None:
+            self.kv_cache_memory = envs.kv_cache_memory_default()
         _check_positive_int("block_size", self.block_size)
         _check_positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -224,20 +227,23 @@ class LayerConfig:
     `layer_impl` None takes STRATA_USE_HW_AGNOSTIC. `custom_ops` starts from "all" or "none" and adjusts
     single ops with "+name" / "-name" (vLLM's syntax); a disabled op runs its `forward_native`.
     `prepack_weights` lets layers replace their weights by a faster kernel's own layout after loading
-    (STRATA_PREPACK_WEIGHTS; on): each weight is still held once (`strata.platforms.cpu.layers.pack_in_place`).
+    (None takes STRATA_PREPACK_WEIGHTS; on): each weight is still held once (`strata.platforms.cpu.layers.pack_in_place`).
     `fp32_matmul_precision` is the `torch.set_float32_matmul_precision` float32 weights are packed under
     (None: whatever torch's is when the model loads): "high" or "medium" lets CPUs with AMX multiply them as
     bf16x3 (`amx_panel_gemm.h`), "highest" keeps exact float32.
     """
 
     layer_impl: str | None = None
-    custom_ops: list[str] = field(default_factory=lambda: ["all"])
-    prepack_weights: bool = field(default_factory=envs.prepack_weights_default)
+    # A tuple by default, so that the default is one plain value `EngineArgs` can take; held as a list.
+    custom_ops: Sequence[str] = ("all",)
+    prepack_weights: bool | None = None
     fp32_matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.layer_impl is None:
             self.layer_impl = "hw-agnostic" if envs.use_hw_agnostic_default() else "default"
+        if self.prepack_weights is None:
+            self.prepack_weights = envs.prepack_weights_default()
         if self.layer_impl not in LAYER_IMPLS:
             raise ConfigError(f"layer_impl must be one of {', '.join(LAYER_IMPLS)}, got {self.layer_impl!r}")
         if isinstance(self.custom_ops, str) or not isinstance(self.custom_ops, list | tuple):

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from strata.config import LayerConfig, ModelConfig
+from strata.engine_args import EngineArgs
 from strata.entrypoints.cli import main
-from strata.entrypoints.layers_cli import add_layer_arguments, layer_config_kwargs
+from strata.entrypoints.layers_cli import LAYERS_OPTIONS
 from strata.entrypoints.llm import default_model
 from strata.models.transformers.layers import verify_layers
 from strata.models.transformers.loader import build_model
@@ -101,21 +102,20 @@ def test_generate_with_layer_impl(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == hw
 
 
+def _layer_config(args: argparse.Namespace) -> LayerConfig:
+    return EngineArgs.from_cli_args(args, LAYERS_OPTIONS).create_engine_config().layer_config
+
+
 def test_prepack_weights_option_and_environment_reach_the_layer_config(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parser = argparse.ArgumentParser()
-    add_layer_arguments(parser)
-    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).prepack_weights is True
-    assert (
-        LayerConfig(**layer_config_kwargs(parser.parse_args(["--no-prepack-weights"]))).prepack_weights
-        is False
-    )
+    EngineArgs.add_cli_args(parser, LAYERS_OPTIONS)
+    assert _layer_config(parser.parse_args([])).prepack_weights is True
+    assert _layer_config(parser.parse_args(["--no-prepack-weights"])).prepack_weights is False
     monkeypatch.setenv("STRATA_PREPACK_WEIGHTS", "0")
-    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).prepack_weights is False
-    assert (
-        LayerConfig(**layer_config_kwargs(parser.parse_args(["--prepack-weights"]))).prepack_weights is True
-    )
+    assert _layer_config(parser.parse_args([])).prepack_weights is False
+    assert _layer_config(parser.parse_args(["--prepack-weights"])).prepack_weights is True
 
 
 def test_verify_checks_the_platforms_attention_backend(monkeypatch: pytest.MonkeyPatch) -> None:

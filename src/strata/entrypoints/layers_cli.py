@@ -5,59 +5,20 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from strata.config import FP32_MATMUL_PRECISIONS, LAYER_IMPLS
+from strata.engine_args import EngineArgs
+from strata.entrypoints.cli import LAYER_OPTIONS, MODEL_OPTIONS
 
-
-def add_layer_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--layer-impl",
-        choices=LAYER_IMPLS,
-        default=None,
-        help="layer implementations (default: hw-agnostic when STRATA_USE_HW_AGNOSTIC=1, else default)",
-    )
-    parser.add_argument(
-        "--custom-ops",
-        default=None,
-        help="comma-separated custom_ops setting, e.g. 'all,-silu_and_mul' or 'none,+rms_norm' (default: all)",
-    )
-    parser.add_argument(
-        "--prepack-weights",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="replace float32 CPU linear weights by Strata's GEMM panels after loading (AVX-512 builds), read "
-        "at every batch size; each weight is still held once (default: STRATA_PREPACK_WEIGHTS, on)",
-    )
-    parser.add_argument(
-        "--fp32-matmul-precision",
-        choices=FP32_MATMUL_PRECISIONS,
-        default=None,
-        help="torch.set_float32_matmul_precision for packing float32 weights: 'high' multiplies them as bf16x3 "
-        "on CPUs with AMX, at every row count (default: torch's own setting, 'highest' unless changed)",
-    )
-
-
-def layer_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM`/`LayerConfig` keyword arguments from the options `add_layer_arguments` added."""
-    kwargs: dict[str, Any] = {"layer_impl": args.layer_impl}
-    if args.custom_ops is not None:
-        kwargs["custom_ops"] = [op.strip() for op in args.custom_ops.split(",") if op.strip()]
-    if args.prepack_weights is not None:
-        kwargs["prepack_weights"] = args.prepack_weights
-    if args.fp32_matmul_precision is not None:
-        kwargs["fp32_matmul_precision"] = args.fp32_matmul_precision
-    return kwargs
+LAYERS_OPTIONS = (*MODEL_OPTIONS, *LAYER_OPTIONS)
 
 
 def add_layers_parser(subparsers: argparse._SubParsersAction) -> None:
-    from strata.entrypoints.cli import add_model_arguments
-
     parser = subparsers.add_parser("layers", help="show the implementation each layer of a model runs")
-    add_model_arguments(parser)
-    add_layer_arguments(parser)
+    EngineArgs.add_cli_args(parser, LAYERS_OPTIONS)
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -81,22 +42,14 @@ VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e
 
 def run_layers(args: argparse.Namespace) -> int:
     from strata.attention.backend import describe_attention
-    from strata.config import EngineConfig, LayerConfig, ModelConfig
     from strata.custom_op import describe_layers, summarize_layers
-    from strata.entrypoints.llm import default_model
     from strata.models.transformers.layers import verify_attention, verify_layers
     from strata.models.transformers.loader import build_model
 
-    model_config = ModelConfig(
-        model=args.model or default_model(),
-        dtype=args.dtype,
-        skip_tokenizer_init=True,
-        quantization=args.quantization,
-        gguf_dequantize=args.gguf_dequantize,
-    )
-    config = EngineConfig(
-        model_config, layer_config=LayerConfig(**layer_config_kwargs(args)), device=args.device
-    )
+    # Only the model is built, not an engine: no tokenizer is needed.
+    engine_args = replace(EngineArgs.from_cli_args(args, LAYERS_OPTIONS), skip_tokenizer_init=True)
+    config = engine_args.create_engine_config()
+    model_config = config.model_config
     platform = config.platform
     platform.prepare()
     model, specs = build_model(model_config, config.layer_config, platform)

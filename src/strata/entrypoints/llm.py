@@ -10,19 +10,11 @@ import torch
 from tqdm import tqdm
 
 from strata.attention.backend import describe_attention
-from strata.config import (
-    CacheConfig,
-    CompilationConfig,
-    ConfigError,
-    EngineConfig,
-    LayerConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from strata.config import CompilationConfig, ConfigError
 from strata.custom_op import describe_layers
 from strata.engine.llm_engine import LLMEngine
 from strata.engine.prompts import PromptError, PromptType
+from strata.engine_args import EngineArgs
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 
@@ -35,111 +27,99 @@ def default_model() -> str:
     return bundled()
 
 
-def _compilation_config(
-    compile: bool | None, config: CompilationConfig | Mapping[str, Any] | None
-) -> CompilationConfig:
-    """`compile=` wins over the config's own `compile`; a dict is validated field by field."""
-    if config is None:
-        config = CompilationConfig()
-    elif isinstance(config, Mapping):
-        fields = set(CompilationConfig.__dataclass_fields__)
-        unknown = set(config) - fields
-        if unknown:
-            raise ConfigError(
-                f"compilation_config: unknown keys {sorted(unknown)}; allowed are {', '.join(sorted(fields))}"
-            )
-        config = CompilationConfig(**config)
-    elif not isinstance(config, CompilationConfig):
-        raise TypeError(
-            f"compilation_config must be a CompilationConfig or a dict, got {type(config).__name__}"
-        )
-    if compile is not None:
-        if not isinstance(compile, bool):
-            raise ConfigError(f"compile must be a bool, got {compile!r}")
-        config.compile = compile
-    return config
-
-
-def engine_config(
-    model: str | None = None,
-    *,
-    tokenizer: str | None = None,
-    dtype: str | torch.dtype = "float32",
-    max_model_len: int | None = None,
-    seed: int = 0,
-    skip_tokenizer_init: bool = False,
-    block_size: int = 16,
-    kv_cache_memory: int | None = None,
-    kv_cache_dtype: str = "auto",
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    enable_chunked_prefill: bool = True,
-    device: str = "cpu",
-    layer_impl: str | None = None,
-    custom_ops: list[str] | None = None,
-    prepack_weights: bool | None = None,
-    fp32_matmul_precision: str | None = None,
-    compile: bool | None = None,
-    compilation_config: CompilationConfig | Mapping[str, Any] | None = None,
-    quantization: str | None = None,
-    gguf_dequantize: bool = False,
-    adaptive_threads: bool | None = None,
-    tensor_parallel_size: int = 1,
-    pipeline_parallel_size: int = 1,
-    distributed_timeout: float = 120.0,
-) -> EngineConfig:
-    """The configuration of an engine with `LLM`'s options (each checked)."""
-    model_config = ModelConfig(
-        model=model if model is not None else default_model(),
-        tokenizer=tokenizer,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        seed=seed,
-        skip_tokenizer_init=skip_tokenizer_init,
-        quantization=quantization,
-        gguf_dequantize=gguf_dequantize,
-    )
-    cache_kwargs: dict[str, Any] = {
-        "block_size": block_size,
-        "enable_prefix_caching": enable_prefix_caching,
-        "kv_cache_dtype": kv_cache_dtype,
-    }
-    if kv_cache_memory is not None:
-        cache_kwargs["kv_cache_memory"] = kv_cache_memory
-    return EngineConfig(
-        model_config=model_config,
-        cache_config=CacheConfig(**cache_kwargs),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-        ),
-        device=device,
-        layer_config=LayerConfig(
-            layer_impl=layer_impl,
-            custom_ops=["all"] if custom_ops is None else custom_ops,
-            **({} if prepack_weights is None else {"prepack_weights": prepack_weights}),
-            fp32_matmul_precision=fp32_matmul_precision,
-        ),
-        compilation_config=_compilation_config(compile, compilation_config),
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            distributed_timeout=distributed_timeout,
-        ),
-        adaptive_threads=adaptive_threads,
-    )
-
-
 class LLM:
     """Generate text from prompts with a local Hugging Face model folder (the bundled model by default), on
     the platform `device` names ("cpu", "cuda", "cuda:1", or a plugin's)."""
 
-    def __init__(self, model: str | None = None, **options: Any) -> None:
-        """`model`: a model folder or GGUF file (the bundled model by default); `options`: those of
-        `engine_config` (dtype, max_model_len, compile, tensor_parallel_size, ...), named as vLLM names them."""
-        self.engine = LLMEngine(engine_config(model, **options))
+    def __init__(
+        self,
+        model: str | None = EngineArgs.model,
+        *,
+        tokenizer: str | None = EngineArgs.tokenizer,
+        dtype: str | torch.dtype = EngineArgs.dtype,
+        max_model_len: int | None = EngineArgs.max_model_len,
+        seed: int = EngineArgs.seed,
+        skip_tokenizer_init: bool = EngineArgs.skip_tokenizer_init,
+        quantization: str | None = EngineArgs.quantization,
+        gguf_dequantize: bool = EngineArgs.gguf_dequantize,
+        device: str = EngineArgs.device,
+        adaptive_threads: bool | None = EngineArgs.adaptive_threads,
+        block_size: int = EngineArgs.block_size,
+        kv_cache_memory: int | None = EngineArgs.kv_cache_memory,
+        kv_cache_dtype: str = EngineArgs.kv_cache_dtype,
+        enable_prefix_caching: bool = EngineArgs.enable_prefix_caching,
+        max_num_seqs: int = EngineArgs.max_num_seqs,
+        max_num_batched_tokens: int | None = EngineArgs.max_num_batched_tokens,
+        enable_chunked_prefill: bool = EngineArgs.enable_chunked_prefill,
+        layer_impl: str | None = EngineArgs.layer_impl,
+        custom_ops: Sequence[str] = EngineArgs.custom_ops,
+        prepack_weights: bool | None = EngineArgs.prepack_weights,
+        fp32_matmul_precision: str | None = EngineArgs.fp32_matmul_precision,
+        compile: bool | None = EngineArgs.compile,
+        compilation_config: CompilationConfig | Mapping[str, Any] | None = EngineArgs.compilation_config,
+        tensor_parallel_size: int = EngineArgs.tensor_parallel_size,
+        pipeline_parallel_size: int = EngineArgs.pipeline_parallel_size,
+        data_parallel_size: int = EngineArgs.data_parallel_size,
+        distributed_timeout: float = EngineArgs.distributed_timeout,
+        distributed_init_method: str | None = EngineArgs.distributed_init_method,
+    ) -> None:
+        """Build the engine. The arguments are `EngineArgs`' fields, named as vLLM names them, with the
+        defaults shown in the signature:
+
+        Args:
+            model: a local Hugging Face model folder or .gguf file (default: the bundled stories260K)
+            tokenizer: a tokenizer folder (default: the model's)
+            dtype: what the model computes in: float32, bfloat16, float16 or auto (the checkpoint's)
+            max_model_len: context length in tokens (default: the model's)
+            seed: the engine's sampling seed, for requests that give none
+            skip_tokenizer_init: load no tokenizer: prompts are token ids, outputs have no text
+            quantization: int8: weight-only int8 Linear layers, quantized per channel at load (default: off,
+                or what the model folder was stored as)
+            gguf_dequantize: dequantize GGUF tensors of types Strata does not compute on (IQ*, TQ*) at load,
+                with a warning, instead of refusing the file
+            device: the platform to run on: cpu, cuda, cuda:N, or a plugin's platform
+            adaptive_threads: let the CPU thread count follow measured step times (default:
+                STRATA_ADAPTIVE_THREADS, on)
+            block_size: tokens per KV-cache block
+            kv_cache_memory: bytes for the KV cache (default: STRATA_KV_CACHE_MEMORY, else max_num_seqs
+                full-length sequences, at most a quarter of free memory)
+            kv_cache_dtype: dtype the KV cache stores keys and values in; auto: the model's dtype
+            enable_prefix_caching: reuse the KV cache of prompt prefixes computed before
+            max_num_seqs: most sequences in one batch
+            max_num_batched_tokens: most tokens in one step (default: 2048, or a whole prompt when chunked
+                prefill is off)
+            enable_chunked_prefill: let a long prompt take several steps
+            layer_impl: layer implementations: default, or hw-agnostic (every op's pure-PyTorch reference)
+                (default: hw-agnostic when STRATA_USE_HW_AGNOSTIC=1, else default)
+            custom_ops: which ops use their platform's implementation: 'all' or 'none', then '+op' or '-op'
+                entries; comma-separated on the command line, e.g. 'all,-silu_and_mul' or 'none,+rms_norm'
+            prepack_weights: replace float32 CPU linear weights by Strata's GEMM panels after loading
+                (AVX-512 builds), read at every batch size; each weight is still held once (default:
+                STRATA_PREPACK_WEIGHTS, on)
+            fp32_matmul_precision: torch.set_float32_matmul_precision for packing float32 weights: 'high'
+                multiplies them as bf16x3 on CPUs with AMX, at every row count (default: torch's own
+                setting, 'highest' unless changed)
+            compile: torch.compile the model forward, piecewise (default: STRATA_COMPILE, off)
+            compilation_config: how the forward is compiled: a CompilationConfig or a dict of its fields
+                (compile, when given, wins over its own)
+            tensor_parallel_size: processes the model is sharded over, each with its share of the cores
+            pipeline_parallel_size: pipeline stages the decoder layers are split over, a process each
+            data_parallel_size: engine replicas behind the server, each a process with its share of the
+                cores; a request goes to the replica with the fewest unfinished requests (an LLM is one
+                engine: only 1; `strata serve --data-parallel-size` runs replicas)
+            distributed_timeout: seconds a collective may wait for a rank before the engine fails naming it
+            distributed_init_method: where the ranks meet, a torch.distributed init method such as
+                tcp://HOST:PORT (default: a free local port)
+        """
+        # The arguments, and nothing else yet, are this frame's locals: EngineArgs' fields, one for one.
+        options = dict(locals())
+        del options["self"]
+        if data_parallel_size != 1:
+            raise ConfigError(
+                f"data_parallel_size={data_parallel_size}: an LLM is one engine; replicas run behind "
+                "`strata serve --data-parallel-size`"
+            )
+        self.engine = LLMEngine(EngineArgs(**options).create_engine_config())
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

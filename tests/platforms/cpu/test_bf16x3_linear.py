@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from strata import LLM, SamplingParams, envs
 from strata.config import ConfigError, LayerConfig
 from strata.custom_op import describe_layers
-from strata.entrypoints.layers_cli import add_layer_arguments, layer_config_kwargs
+from strata.engine_args import EngineArgs
+from strata.entrypoints.layers_cli import LAYERS_OPTIONS
 from strata.platforms.cpu import kernels
 
 pytestmark = pytest.mark.skipif(
@@ -218,12 +219,16 @@ def test_an_engine_built_at_high_precision_generates_like_the_float32_one(
             assert abs(a[token].logprob - b[token].logprob) < 1e-3
 
 
+def _layer_config(args: argparse.Namespace) -> LayerConfig:
+    return EngineArgs.from_cli_args(args, LAYERS_OPTIONS).create_engine_config().layer_config
+
+
 def test_fp32_matmul_precision_option_reaches_the_layer_config_and_bad_values_are_refused() -> None:
     parser = argparse.ArgumentParser()
-    add_layer_arguments(parser)
-    assert LayerConfig(**layer_config_kwargs(parser.parse_args([]))).fp32_matmul_precision is None
+    EngineArgs.add_cli_args(parser, LAYERS_OPTIONS)
+    assert _layer_config(parser.parse_args([])).fp32_matmul_precision is None
     args = parser.parse_args(["--fp32-matmul-precision", "high"])
-    assert LayerConfig(**layer_config_kwargs(args)).fp32_matmul_precision == "high"
+    assert _layer_config(args).fp32_matmul_precision == "high"
     with pytest.raises(SystemExit):
         parser.parse_args(["--fp32-matmul-precision", "tf32"])
     with pytest.raises(ConfigError, match="fp32_matmul_precision must be one of highest, high, medium"):

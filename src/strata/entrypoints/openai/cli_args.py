@@ -1,6 +1,6 @@
 """`strata serve`: its options, and building the engine and server from them.
 
-Kept free of heavy imports so `strata --help` stays fast; torch, the engine and FastAPI load on run.
+The engine and FastAPI load on run, so `strata --help` stays fast (torch loads with the config classes).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from strata.engine_args import EngineArgs
+from strata.entrypoints.cli import GENERATE_OPTIONS
 from strata.entrypoints.openai.server_config import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 if TYPE_CHECKING:
@@ -18,26 +20,18 @@ if TYPE_CHECKING:
 
 # The parsers of `tool_calls.TOOL_CALL_PARSERS`, named here so `strata --help` need not import the server.
 TOOL_CALL_PARSER_NAMES = ("hermes", "json")
+# `generate`'s engine options, the batch size and the replicas (`EngineArgs` fields).
+SERVE_OPTIONS = (*GENERATE_OPTIONS, "max_num_seqs", "data_parallel_size")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    from strata.entrypoints.cli import add_engine_arguments
-
     parser = subparsers.add_parser(
         "serve", help="serve the OpenAI API (completions, chat, streaming) on HTTP; ready when /health is 200"
     )
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="model folder (same as --model)"
     )
-    add_engine_arguments(parser)
-    parser.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=_positive_int,
-        default=1,
-        help="engine replicas behind the server, each a process with its share of the cores; a request goes "
-        "to the replica with the fewest unfinished requests (default: 1)",
-    )
+    EngineArgs.add_cli_args(parser, SERVE_OPTIONS)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument(
@@ -47,7 +41,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--served-model-name", nargs="+", default=None, help="names clients use (default: the model)"
     )
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file (or template text)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     parser.add_argument(
         "--max-sequences-per-request",
         type=_positive_int,
@@ -93,18 +86,16 @@ def _read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
-def _serving_engine(args: argparse.Namespace, model: str | None) -> EngineClient:
+def _serving_engine(engine_args: EngineArgs) -> EngineClient:
     """One engine stepped on a thread of this process, or `--data-parallel-size` replicas of it, each in a
     process of its own."""
     from strata.engine.async_engine import AsyncLLMEngine
     from strata.engine.data_parallel import DataParallelEngine
-    from strata.entrypoints.cli import engine_options, llm_from_args
-    from strata.entrypoints.llm import engine_config
+    from strata.engine.llm_engine import LLMEngine
 
-    if args.data_parallel_size == 1:
-        return AsyncLLMEngine(llm_from_args(args, model, max_num_seqs=args.max_num_seqs).engine)
-    config = engine_config(model, **engine_options(args), max_num_seqs=args.max_num_seqs)
-    config.parallel_config = replace(config.parallel_config, data_parallel_size=args.data_parallel_size)
+    config = engine_args.create_engine_config()
+    if config.parallel_config.data_parallel_size == 1:
+        return AsyncLLMEngine(LLMEngine(config))
     return DataParallelEngine(config)
 
 
@@ -127,12 +118,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     model = args.model_tag or args.model
+    engine_args = replace(EngineArgs.from_cli_args(args, SERVE_OPTIONS), model=model)
     if (launched := torchrun_rank()) is not None and args.data_parallel_size > 1:
         raise ValueError("--data-parallel-size starts its replicas itself: it does not combine with torchrun")
     if launched is not None and launched[0] != 0:
         # Another rank of a torchrun launch: rank 0 serves, this one runs its shard of each step.
-        return run_launched_rank(args, launched[0], model, max_num_seqs=args.max_num_seqs)
-    engine = _serving_engine(args, model)
+        return run_launched_rank(engine_args, launched[0])
+    engine = _serving_engine(engine_args)
     model_path = model if model is not None else default_model()
     names = args.served_model_name or [model if model is not None else Path(model_path).name]
     config = ServerConfig(
