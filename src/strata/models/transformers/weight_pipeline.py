@@ -57,7 +57,8 @@ def load_weights(
     `weight_mapping` sends checkpoint names of replaced modules to their new parameters; a sharded target
     (a merged gate/up projection) is assembled from its shards and set once all of them arrived. The
     weight of an int8 linear is quantized as it arrives (from float32, not `dtype`), and int8 checkpoint
-    pairs are dequantized one at a time first, so no full floating-point copy of the model is ever held.
+    pairs arrive dequantized one at a time (`weight_sources`), so no full floating-point copy of the model
+    is ever held.
     """
     target_of = target_resolver(model, weight_mapping or {})
     places = ModelPlaces(model, dtype, preloaded or set())
