@@ -110,14 +110,12 @@ def llm_from_args(args: argparse.Namespace, model: str | None, **options: Any) -
 def run_launched_rank(args: argparse.Namespace, rank: int, model: str | None, **options: Any) -> int:
     """A rank past 0 of an engine torchrun launched: it builds its shard of the engine `args` describe
     and runs the steps rank 0 (which serves or generates) sends it, until rank 0 stops."""
-    import torch
-
     from strata.entrypoints.llm import engine_config
+    from strata.worker.executor import executor_class
     from strata.worker.ranks import run_rank
-    from strata.worker.runners import runner_class
 
     config = engine_config(model, **engine_options(args), **options)
-    run_rank(runner_class(config.parallel_config), config, rank, "env://", torch.get_num_threads(), None)
+    run_rank(executor_class(config.parallel_config), config, rank, "env://", None)  # type: ignore[arg-type]
     return 0
 
 
