@@ -208,10 +208,13 @@ def test_interpreter_exit_stops_the_ranks(tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(
             """
+            import logging
+
             import psutil
             from strata import LLM, SamplingParams
 
             if __name__ == "__main__":
+                logging.basicConfig(level=logging.INFO)
                 llm = LLM(tensor_parallel_size=2)
                 ranks = psutil.Process().children()
                 print(*[rank.pid for rank in ranks if "spawn_main" in " ".join(rank.cmdline())], flush=True)
