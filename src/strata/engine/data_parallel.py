@@ -94,6 +94,7 @@ class DataParallelEngine(EngineClient):
             wait_for([replica.child for replica in self._replicas], "ready")
         except BaseException:
             stop([replica.child for replica in self._replicas], grace=0)
+            self._close_pipes()
             raise
         for replica in self._replicas:
             replica.stats = replica.child.detail
@@ -127,6 +128,7 @@ class DataParallelEngine(EngineClient):
         for replica in self._replicas:
             if replica.reader is not None:
                 replica.reader.join()
+        self._close_pipes()
 
     def _close_pipes(self) -> None:
         """A replica whose pipe closes stops, as if told to."""

@@ -51,7 +51,13 @@ _stderr_lock = threading.Lock()
 
 
 class ProcessStartError(RuntimeError):
-    """A spawned rank or replica died, hung or failed while starting: the engine cannot start."""
+    """A spawned rank or replica died or hung while starting: the engine cannot start."""
+
+
+class ProcessBuildError(ProcessStartError, ValueError):
+    """A spawned rank or replica could not build its part of the engine, and said why: most often the
+    configuration or the model's files, a user's error, so a ValueError like the engine's own ConfigError
+    (this module imports no `strata.config`, which imports torch)."""
 
 
 class StderrTail:
@@ -87,6 +93,7 @@ class Spawned:
         self.stage = "spawned"  # then "started", then "ready"
         self.detail: Any = None  # what it sent with "ready"
         self.last_sign_of_life = time.monotonic()
+        self.heard_from = False
 
     def _check(self, timeout: StartTimeouts) -> None:
         """Read what the child sent; an error if it failed, exited or fell silent."""
@@ -95,9 +102,9 @@ class Spawned:
                 kind, detail = self.conn.recv()
             except (EOFError, OSError):
                 break  # it exited: reported below
-            self.last_sign_of_life = time.monotonic()
+            self.last_sign_of_life, self.heard_from = time.monotonic(), True
             if kind == "error":
-                raise ProcessStartError(self.exit_report("failed to start", detail))
+                raise ProcessBuildError(self.exit_report("failed to start", detail))
             if kind in ("started", "ready"):
                 self.stage, self.detail = kind, detail
         if self.stage == "ready":
@@ -105,8 +112,8 @@ class Spawned:
         if not self.process.is_alive():
             raise ProcessStartError(self.exit_report("exited while starting"))
         silence = time.monotonic() - self.last_sign_of_life
-        # Until its first message the child imports what it runs (its bootstrap): more time for that.
-        allowed = timeout.heartbeat if self.stage == "started" else timeout.first_heartbeat
+        # Until its first heartbeat the child imports the parent's script (its bootstrap): more time for that.
+        allowed = timeout.heartbeat if self.heard_from else timeout.first_heartbeat
         if silence > allowed:
             raise ProcessStartError(
                 f"{self.name} stopped answering while starting: no heartbeat for {silence:.0f} s "
@@ -154,6 +161,9 @@ def spawn(name: str, target: Callable[..., None], args: tuple[Any, ...], threads
         os.dup2(write_fd, 2)
         try:
             process.start()
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -193,7 +203,6 @@ def stop(children: Iterable[Spawned], grace: float = EXIT_SECONDS) -> None:
                 logger.warning("%s did not stop; killing it", child.name)
             child.process.kill()
             child.process.join()
-        child.conn.close()
 
 
 # -- the child's side ----------------------------------------------------------------------------------
@@ -211,8 +220,10 @@ class StartReport:
         self._beats.start()
 
     def _beat(self, interval: float) -> None:
-        while not self._done.wait(interval):
+        while True:
             self._send("alive", None)
+            if self._done.wait(interval):
+                return
 
     def _send(self, kind: str, detail: Any) -> None:
         with self._lock:

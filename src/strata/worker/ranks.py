@@ -132,6 +132,8 @@ class RankGroup:
                 except (RuntimeError, TimeoutError):
                     logger.warning("could not reach every %s rank to stop it", self.kind)
         stop(self.children, grace)
+        for child in self.children:
+            child.conn.close()
         self.children.clear()
         shutdown_distributed()
         logger.info("the %s ranks stopped", self.kind)
