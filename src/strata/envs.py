@@ -100,3 +100,27 @@ def cpu_kernel_target() -> str:
     `native`, this machine. Another value (`x86-64-v3`: AVX2 without AVX-512) builds them for older CPUs of
     the family, as a cache shared between machines needs, or to test their paths here."""
     return os.environ.get("STRATA_CPU_KERNEL_TARGET") or "native"
+
+
+def _get_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name} must be a number of seconds, got {raw!r}") from exc
+    if value <= 0:
+        raise ValueError(f"environment variable {name} must be positive, got {raw!r}")
+    return value
+
+
+def process_start_timeout() -> float:
+    """STRATA_PROCESS_START_TIMEOUT: seconds a spawned rank or replica may take to build its model."""
+    return _get_seconds("STRATA_PROCESS_START_TIMEOUT", 600.0)
+
+
+def heartbeat_timeout() -> float:
+    """STRATA_HEARTBEAT_TIMEOUT: seconds a starting rank or replica may send no heartbeat before it counts as
+    hung (suspended, deadlocked); its first heartbeat, after it imported the parent's script, may take 4x."""
+    return _get_seconds("STRATA_HEARTBEAT_TIMEOUT", 30.0)

@@ -196,13 +196,13 @@ def test_pipeline_keeps_steps_in_flight_and_survives_aborts(tiny_model_dir: Call
     engine = llm.engine
     try:
         depths = []
-        submit = engine.runner.submit
+        submit = engine.executor.submit
 
         def recording_submit(scheduled):  # the real submit, noting how many steps are in flight after it
             submit(scheduled)
-            depths.append(len(engine.runner._in_flight))
+            depths.append(len(engine.executor._in_flight))
 
-        engine.runner.submit = recording_submit
+        engine.executor.submit = recording_submit
         got = llm.generate(prompts, params, use_tqdm=False)
         assert max(depths) == 2
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

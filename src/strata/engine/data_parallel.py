@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -27,20 +26,16 @@ from typing import Any
 
 import torch
 
-from strata.config import ConfigError, EngineConfig
+from strata.config import EngineConfig
 from strata.engine.engine_client import EngineClient
 from strata.engine.engine_loop import Command, EngineDeadError, run_engine_loop
 from strata.engine.llm_engine import LLMEngine, load_tokenizer
 from strata.engine.prompts import PromptChecker, PromptType
 from strata.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
+from strata.worker.processes import EXIT_SECONDS, Spawned, StartReport, spawn, stop, wait_for
 
 logger = logging.getLogger("strata.data_parallel")
-
-# How often the server looks at the replicas while they build their engines.
-_POLL_SECONDS = 0.1
-# Seconds a replica that stopped (or died) is given to exit before it is killed.
-_EXIT_SECONDS = 10.0
 
 
 class ReplicaFailedError(RuntimeError):
@@ -52,8 +47,7 @@ class _Replica:
     """The server's handle on one replica; `requests` are those it was sent that are still being read."""
 
     index: int
-    process: BaseProcess
-    conn: Connection
+    child: Spawned
     stats: dict[str, Any] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
     death: str | None = None  # why it died; None while it lives
@@ -62,6 +56,14 @@ class _Replica:
     @property
     def alive(self) -> bool:
         return self.death is None
+
+    @property
+    def process(self) -> BaseProcess:
+        return self.child.process
+
+    @property
+    def conn(self) -> Connection:
+        return self.child.conn
 
 
 class DataParallelEngine(EngineClient):
@@ -80,49 +82,23 @@ class DataParallelEngine(EngineClient):
         size = config.parallel_config.data_parallel_size
         # Each replica takes its share of the cores (and divides it among its tensor-parallel ranks).
         threads = max(1, torch.get_num_threads() // size)
-        context = multiprocessing.get_context("spawn")
         self._replicas: list[_Replica] = []
-        for index in range(size):
-            conn, child_conn = context.Pipe()
-            process = context.Process(
-                target=run_replica,
-                args=(config, threads, child_conn),
-                name=f"strata-replica-{index}",
-                # Not a daemon: a tensor-parallel replica spawns its ranks, which daemons may not.
-                daemon=False,
-            )
-            process.start()
-            child_conn.close()  # so the server sees the pipe close when the replica dies
-            self._replicas.append(_Replica(index, process, conn))
         # multiprocessing joins every non-daemon child at exit: a server that ends without shutting the
         # engine down (it failed to bind its port) closes the pipes first, so the replicas stop.
         atexit.register(self._close_pipes)
         try:
-            self._wait_for_replicas()
+            for index in range(size):
+                # Not a daemon: a tensor-parallel replica spawns its ranks, which daemons may not.
+                child = spawn(f"data-parallel replica {index}", run_replica, (config,), threads, False)
+                self._replicas.append(_Replica(index, child))
+            wait_for([replica.child for replica in self._replicas], "ready")
         except BaseException:
-            self._stop_processes()
+            stop([replica.child for replica in self._replicas], grace=0)
+            self._close_pipes()
             raise
+        for replica in self._replicas:
+            replica.stats = replica.child.detail
         logger.info("data parallel: %d replicas, %d threads each", size, threads)
-
-    def _wait_for_replicas(self) -> None:
-        """Until every replica has built its engine; the first that failed or died is an error naming it."""
-        pending = list(self._replicas)
-        while pending:
-            for replica in list(pending):
-                if replica.conn.poll():
-                    try:
-                        status, detail = replica.conn.recv()
-                    except EOFError:
-                        status, detail = "error", "it exited while starting"
-                    if status != "ready":
-                        replica.process.join(timeout=_EXIT_SECONDS)
-                        raise ConfigError(
-                            f"data-parallel replica {replica.index} failed to start "
-                            f"(exit code {replica.process.exitcode}): {detail}"
-                        )
-                    replica.stats = detail
-                    pending.remove(replica)
-            time.sleep(_POLL_SECONDS)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,12 +124,8 @@ class DataParallelEngine(EngineClient):
 
     def _stop_processes(self) -> None:
         """Wait for the replicas (and the threads reading them) to end; kill those that do not."""
+        stop([replica.child for replica in self._replicas])
         for replica in self._replicas:
-            replica.process.join(timeout=_EXIT_SECONDS)
-            if replica.process.is_alive():
-                logger.warning("data-parallel replica %d did not stop; killing it", replica.index)
-                replica.process.kill()
-                replica.process.join()
             if replica.reader is not None:
                 replica.reader.join()
         self._close_pipes()
@@ -225,7 +197,7 @@ class DataParallelEngine(EngineClient):
             self.call_soon_threadsafe(self._on_step, replica, outputs, failures, stats)
         if self._stopping:
             return
-        replica.process.join(timeout=_EXIT_SECONDS)
+        replica.process.join(timeout=EXIT_SECONDS)
         death = f"data-parallel replica {replica.index} died (exit code {replica.process.exitcode})"
         self.call_soon_threadsafe(self._on_death, replica, f"{death}: {reason}" if reason else death)
 
@@ -270,19 +242,19 @@ def total_stats(replica_stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the replica's process ----------------------------------------------------------------------------
-def run_replica(config: EngineConfig, threads: int, conn: Connection) -> None:
+def run_replica(config: EngineConfig, report: StartReport) -> None:
     """A replica's life: build the engine, say whether that worked, then run the engine loop on what the
     server sends until it says stop or goes away. Ctrl-C reaches the whole process group: the server alone
     decides when replicas stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_the_server, name="strata-replica-watchdog", daemon=True).start()
-    torch.set_num_threads(threads)
+    conn = report.conn
     try:
         engine = LLMEngine(config)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        report.finish("error", f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from exc
-    conn.send(("ready", engine.stats()))
+    report.finish("ready", engine.stats())
 
     def deliver(outputs: list[RequestOutput], failures: dict[str, BaseException]) -> None:
         portable = {request_id: _portable(exc) for request_id, exc in failures.items()}

@@ -31,9 +31,8 @@ from strata.outputs import RequestOutput
 from strata.sample import Sampler, TokenConstraints
 from strata.sampling_params import SamplingParams, SamplingParamsError
 from strata.structured_output import StructuredOutputManager
-from strata.worker.model_runner import ModelOutput
-from strata.worker.ranks import MultiRankRunner
-from strata.worker.runners import runner_class
+from strata.worker.executor import create_executor
+from strata.worker.model_runner import ModelOutput, ModelRunner
 
 logger = logging.getLogger("strata.engine")
 
@@ -59,13 +58,13 @@ class LLMEngine:
         model_config = config.model_config
         self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
-        self.runner = runner_class(config.parallel_config)(config)
+        self.executor = create_executor(config)
         # Steps submitted to a pipeline and not collected yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
         self.vocab_size = model_config.vocab_size
         self.prompts = PromptChecker(self.tokenizer, self.vocab_size, self.max_model_len)
         self.eos_token_ids = self._eos_token_ids()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.runner.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.executor.num_blocks)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         sampler = Sampler(torch.Generator().manual_seed(model_config.seed), config.platform.argmax_rows)
         self.step_sampler = StepSampler(sampler, self.structured_output, self.eos_token_ids)
@@ -156,26 +155,26 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.runner.pipeline_depth > 1:
+        if self.executor.pipeline_depth > 1:
             return self._pipelined_step()
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []
-        return self._complete(schedule, self.runner.execute(schedule.scheduled))
+        return self._complete(schedule, self.executor.execute(schedule.scheduled))
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """Start the next step while earlier ones are still in the pipeline's later stages; complete the
         oldest once every stage has one, or when nothing new can start (all in flight)."""
-        runner = self.runner
-        depth = runner.pipeline_depth
+        executor = self.executor
+        depth = executor.pipeline_depth
         # Each step takes its share of the sequences, so that every stage has a step to run.
         schedule = self.scheduler.schedule(max_seqs=-(-self.scheduler.num_unfinished // depth))
         if not schedule.is_empty:
-            runner.submit(schedule.scheduled)
+            executor.submit(schedule.scheduled)
             self._in_flight.append(schedule)
         if not self._in_flight or (len(self._in_flight) < depth and not schedule.is_empty):
             return []
-        return self._complete(self._in_flight.popleft(), runner.collect())
+        return self._complete(self._in_flight.popleft(), executor.collect())
 
     def _complete(self, schedule: SchedulerOutput, model_output: ModelOutput) -> list[RequestOutput]:
         """Sample after a step's forward, advance its sequences and report the requests it moved."""
@@ -210,10 +209,14 @@ class LLMEngine:
             "collective_seconds": collective_seconds(),
         }
 
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner: the model, its layers, the KV cache."""
+        return self.executor.runner
+
     def shutdown(self) -> None:
         """Stop the engine's other processes (its ranks); a one-process engine has none."""
-        if isinstance(self.runner, MultiRankRunner):
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
-        return fn(self.runner.model)
+        return self.executor.apply_model(fn)

@@ -28,13 +28,11 @@ GENERATE_OPTIONS = (
 def run_launched_rank(engine_args: EngineArgs, rank: int) -> int:
     """A rank past 0 of an engine torchrun launched: it builds its shard of the engine `engine_args`
     describe and runs the steps rank 0 (which serves or generates) sends it, until rank 0 stops."""
-    import torch
-
+    from strata.worker.executor import executor_class
     from strata.worker.ranks import run_rank
-    from strata.worker.runners import runner_class
 
     config = engine_args.create_engine_config()
-    run_rank(runner_class(config.parallel_config), config, rank, "env://", torch.get_num_threads(), None)
+    run_rank(executor_class(config.parallel_config), config, rank, "env://", None)  # type: ignore[arg-type]
     return 0
 
 

@@ -193,8 +193,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:
-        """Stop the engine's other processes (its ranks); the LLM cannot generate after."""
+        """Stop the engine's other processes (its ranks); the LLM cannot generate after. Dropping the LLM
+        (or leaving its `with` block, or the interpreter exiting) does it too."""
         self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         """Call `fn` on the underlying `torch.nn.Module` (rank 0's shard, with tensor parallelism) and

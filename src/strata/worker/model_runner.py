@@ -142,9 +142,6 @@ class ModelRunner:
     """Builds the model on the engine's platform, owns its KV cache and runs one step at a time. Everything
     that depends on the hardware (kernels, the attention backend, memory, threads) it asks the platform."""
 
-    # Steps that may be in flight at once (a pipeline's stages); one runs each step to its end.
-    pipeline_depth = 1
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = platform = config.platform

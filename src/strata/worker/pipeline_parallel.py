@@ -21,12 +21,12 @@ from strata.config import EngineConfig
 from strata.distributed.communication import broadcast_object, receive_from, send_to
 from strata.distributed.parallel_state import pp_rank, pp_world_size, rank, tp_rank, tp_world_size
 from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork, StepPlan
-from strata.worker.ranks import MultiRankRunner, RankFailedError
+from strata.worker.ranks import MultiRankExecutor, RankFailedError
 
 
-class PipelineParallelRunner(MultiRankRunner):
-    """The first stage's runner: `submit` starts a step down the pipeline, `collect` returns the logits of
-    the oldest step in flight."""
+class PipelineParallelExecutor(MultiRankExecutor):
+    """The first stage's executor: `submit` starts a step down the pipeline, `collect` returns the logits
+    of the oldest step in flight."""
 
     KIND = "pipeline-parallel"
 
@@ -36,27 +36,29 @@ class PipelineParallelRunner(MultiRankRunner):
         # Steps in flight at most: one in each stage.
         self.pipeline_depth = pp_world_size()
 
-    def _send(self, message: object) -> None:
+    @staticmethod
+    def send_control(message: object) -> None:
         """A control message to this stage's other ranks and down the pipeline."""
         if tp_world_size() > 1:
             broadcast_object(message)
         send_to(tp_world_size(), message)
-        self._last_message = time.monotonic()
 
     def submit(self, scheduled: Sequence[ScheduledWork]) -> None:
         """Run this stage's layers on the step (with this stage's other ranks) and pass it on."""
-        with self._lock, self._failing_for_good():
-            plan = self.plan(scheduled)
+        ranks = self._ranks
+        with ranks.lock, ranks.failing_for_good():
+            plan = self.runner.plan(scheduled)
             if tp_world_size() > 1:
                 broadcast_object(plan)
-            hidden_states = self.forward(plan)
+            hidden_states = self.runner.forward(plan)
             send_to(tp_world_size(), plan, hidden_states)
-            self._last_message = time.monotonic()
+            ranks.last_message = time.monotonic()
             self._in_flight.append(plan)
 
     def collect(self) -> ModelOutput:
         """The logits of the oldest step submitted, once the last stage has sent them."""
-        with self._lock, self._failing_for_good():
+        ranks = self._ranks
+        with ranks.lock, ranks.failing_for_good():
             plan = self._in_flight.popleft()
             _, logits = receive_from(self.world_size - tp_world_size())
             return ModelOutput(logits=logits, sample_rows=plan.sample_rows, prompt_rows=plan.prompt_rows)
@@ -69,11 +71,10 @@ class PipelineParallelRunner(MultiRankRunner):
         """Take the logits of the steps still in flight (the stages would wait to send them), then stop."""
         try:
             with suppress(RankFailedError):
-                while self._in_flight and self._running:
+                while self._in_flight and self._ranks.running:
                     self.collect()
         finally:
             super().shutdown()
-
     @staticmethod
     def serve_rank(runner: ModelRunner) -> None:
         """A rank past 0: run each plan on the activations that come with it (the first stage's ranks get

@@ -3,28 +3,28 @@ others in the sharded layers' collectives; rank 0 broadcasts each step's plan fi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from strata.distributed.communication import broadcast_object
 from strata.worker.model_runner import ModelOutput, ModelRunner, ScheduledWork, StepPlan
-from strata.worker.ranks import MultiRankRunner
+from strata.worker.ranks import MultiRankExecutor
 
 
-class TensorParallelRunner(MultiRankRunner):
-    """Rank 0's runner of a tensor-parallel engine."""
+class TensorParallelExecutor(MultiRankExecutor):
+    """Rank 0's executor of a tensor-parallel engine."""
 
     KIND = "tensor-parallel"
 
-    def _send(self, message: object) -> None:
+    @staticmethod
+    def send_control(message: object) -> None:
         broadcast_object(message)
-        self._last_message = time.monotonic()
 
     def execute(self, scheduled: Sequence[ScheduledWork]) -> ModelOutput:
-        with self._lock, self._failing_for_good():
-            plan = self.plan(scheduled)
-            self._send(plan)
-            return self.run(plan)
+        ranks = self._ranks
+        with ranks.lock, ranks.failing_for_good():
+            plan = self.runner.plan(scheduled)
+            ranks.send(plan)
+            return self.runner.run(plan)
 
     @staticmethod
     def serve_rank(runner: ModelRunner) -> None:
