@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from strata import LLM, SamplingParams
 from strata.config import ConfigError
 from strata.engine.data_parallel import DataParallelEngine
-from strata.entrypoints.llm import engine_config
+from strata.engine_args import EngineArgs
 from strata.worker.processes import ProcessStartError
 
 from stories260k import GREEDY_55, PROMPT
@@ -164,7 +164,7 @@ def test_a_rank_killed_or_suspended_while_starting_fails_the_start_fast(
 
 def test_a_replica_that_fails_to_load_is_named(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     folder = damaged_checkpoint(tiny_model_dir("llama"), tmp_path / "damaged")
-    config = engine_config(str(folder), skip_tokenizer_init=True)
+    config = EngineArgs(str(folder), skip_tokenizer_init=True).create_engine_config()
     config.parallel_config = replace(config.parallel_config, data_parallel_size=2)
     before = set(psutil.Process().children())
     with pytest.raises(ProcessStartError, match=r"^data-parallel replica [01] failed to start \(exit code 1\): "
@@ -178,6 +178,7 @@ def test_engines_of_every_layout_follow_each_other_when_dropped() -> None:
     left through `with` stops its ranks and leaves the process group, so the next one, of any layout,
     works. A second multi-process engine while one lives is refused before it spawns anything."""
     layouts = [{"tensor_parallel_size": 2}, {}, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}, {}]
+    threads = torch.get_num_threads()
     for options in layouts:
         before = spawned_children()
         llm = LLM(**options)
@@ -195,6 +196,7 @@ def test_engines_of_every_layout_follow_each_other_when_dropped() -> None:
             assert time.monotonic() < deadline, "the dropped engine's ranks still run"
             time.sleep(0.1)
         assert not torch.distributed.is_initialized()
+        assert torch.get_num_threads() == threads  # rank 0's share of the cores given back
     with LLM(pipeline_parallel_size=2) as llm:
         ranks = spawned_children()
         assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == GREEDY_55

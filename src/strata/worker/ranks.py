@@ -66,6 +66,9 @@ class RankGroup:
         self._send_control = send_control
         self._stop_keepalive = threading.Event()
         self._stopped = False
+        # The process's torch threads before rank 0 took its share: given back at shutdown, so an engine
+        # started after this one gets the cores again.
+        self.threads_before = torch.get_num_threads()
 
     def send(self, message: object) -> None:
         """A control message (`KEEPALIVE`, None to stop) to the other ranks; the caller holds `lock`."""
@@ -136,6 +139,7 @@ class RankGroup:
             child.conn.close()
         self.children.clear()
         shutdown_distributed()
+        torch.set_num_threads(self.threads_before)
         logger.info("the %s ranks stopped", self.kind)
 
 
