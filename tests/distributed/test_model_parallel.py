@@ -316,7 +316,11 @@ def test_server_with_two_ranks_and_a_rank_killed_mid_generation(kind: str) -> No
 
         worker = threading.Thread(target=long_request)
         worker.start()
-        time.sleep(1.0)
+        # Kill the rank once the request runs (a fixed wait lets a fast machine finish it first).
+        deadline = time.monotonic() + 60
+        while not server.stats()["num_running"]:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
         ranks[0].kill()
         worker.join(timeout=120)
         reply = answers["reply"]
