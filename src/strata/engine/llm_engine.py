@@ -59,7 +59,7 @@ class LLMEngine:
         self.max_model_len: int = model_config.max_model_len  # type: ignore[assignment]
         self.tokenizer = None if model_config.skip_tokenizer_init else load_tokenizer(model_config.tokenizer)
         self.executor = create_executor(config)
-        # Steps submitted to a pipeline and not collected yet, oldest first.
+        # Steps submitted to the executor and not collected yet, oldest first.
         self._in_flight: deque[SchedulerOutput] = deque()
         self.vocab_size = model_config.vocab_size
         self.prompts = PromptChecker(self.tokenizer, self.vocab_size, self.max_model_len)
@@ -155,19 +155,12 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.executor.pipeline_depth > 1:
-            return self._pipelined_step()
-        schedule = self.scheduler.schedule()
-        if schedule.is_empty:
-            return []
-        return self._complete(schedule, self.executor.execute(schedule.scheduled))
-
-    def _pipelined_step(self) -> list[RequestOutput]:
-        """Start the next step while earlier ones are still in the pipeline's later stages; complete the
-        oldest once every stage has one, or when nothing new can start (all in flight)."""
+        """Start the next step, and complete the oldest step in flight once the executor holds as many as it
+        can run at once (`pipeline_depth`: one, or one per pipeline stage), or when nothing new can start."""
         executor = self.executor
         depth = executor.pipeline_depth
-        # Each step takes its share of the sequences, so that every stage has a step to run.
+        # In a pipeline each step takes its share of the sequences, so that every stage has a step to run;
+        # with one stage, the share is all of them.
         schedule = self.scheduler.schedule(max_seqs=-(-self.scheduler.num_unfinished // depth))
         if not schedule.is_empty:
             executor.submit(schedule.scheduled)
