@@ -38,7 +38,7 @@ def _expected_providers(layer_impl: str) -> dict[str, str]:
         "gelu_and_mul": layers,
         "linear": layers,
         "glu_mlp": layers,
-        "attention": "cpu",  # the platform's attention backend, whichever layers
+        "attention": layers,  # hw-agnostic layers come with the reference attention backend
     }
 
 
@@ -87,9 +87,10 @@ def test_default_and_hw_agnostic_agree(
         assert act["class"].startswith(
             "strata.hw_agnostic.layers." if impl == "hw-agnostic" else "strata.platforms.cpu.layers."
         )
-        assert (
-            by_path["model.layers.0.self_attn"]["class"]
-            == "strata.platforms.cpu.attention.CpuAttentionBackend"
+        assert by_path["model.layers.0.self_attn"]["class"] == (
+            "strata.platforms.cpu.attention.CpuAttentionBackend"
+            if impl == "default"
+            else "strata.attention.backends.torch_native.TorchNativeBackend"
         )
 
 
@@ -118,7 +119,7 @@ def test_env_default_and_start_log(
     monkeypatch.setenv("STRATA_USE_HW_AGNOSTIC", "1")
     llm = LLM(str(bundled_model_dir), max_model_len=32, max_num_seqs=1)
     assert llm.engine.config.layer_config.layer_impl == "hw-agnostic"
-    assert {row["provider"] for row in llm.layer_providers()} == {"hw-agnostic", "cpu"}  # cpu: attention
+    assert {row["provider"] for row in llm.layer_providers()} == {"hw-agnostic"}  # attention included
     assert (
         "layers (layer_impl=hw-agnostic, platform cpu): 52 layers; by provider: hw-agnostic 52; "
         "by op: glu_mlp 5, linear 31, rms_norm 11, silu_and_mul 5" in caplog.messages

@@ -50,7 +50,7 @@ def test_layers_hw_agnostic_and_custom_ops(
     assert main(["layers", "--model", folder, "--layer-impl", "hw-agnostic", "--custom-ops", "none"]) == 0
     out = capsys.readouterr().out
     assert (
-        "total: 47 layers; by provider: cpu 3, hw-agnostic 44; "
+        "total: 47 layers; by provider: hw-agnostic 47; "
         "by op: attention 3, gelu_and_mul 3, gemma_rms_norm 19, glu_mlp 3, linear 19" in out
     )
     assert "forward_cpu" not in out

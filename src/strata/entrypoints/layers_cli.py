@@ -54,7 +54,9 @@ def run_layers(args: argparse.Namespace) -> int:
     platform.prepare()
     model, specs = build_model(model_config, config.layer_config, platform)
     model.to(config.torch_device)
-    backend = platform.attention_backend(config.cache_config.cache_dtype(model_config.torch_dtype))
+    backend = platform.attention_backend(
+        config.cache_config.cache_dtype(model_config.torch_dtype), reference=config.layer_config.use_hw_agnostic
+    )
     rows = describe_layers(model) + describe_attention([spec.name for spec in specs], backend)
     print(
         f"model: {model_config.model}  platform: {platform.name}  layer_impl: {config.layer_config.layer_impl}"

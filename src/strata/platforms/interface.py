@@ -84,9 +84,12 @@ class Platform:
         for module in self.layer_modules:
             importlib.import_module(module)
 
-    def attention_backend(self, kv_cache_dtype: torch.dtype) -> Any:
-        """A new instance of this platform's attention backend, for caches of `kv_cache_dtype`."""
-        return load_object(self.attention_backend_class)(kv_cache_dtype)
+    def attention_backend(self, kv_cache_dtype: torch.dtype, reference: bool = False) -> Any:
+        """A new instance of this platform's attention backend, for caches of `kv_cache_dtype`; with
+        `reference`, the reference backend instead (`layer_impl="hw-agnostic"`: every layer's reference,
+        attention included, as a platform with no kernels of its own runs them)."""
+        path = REFERENCE_ATTENTION_BACKEND if reference else self.attention_backend_class
+        return load_object(path)(kv_cache_dtype)
 
     # -- memory and threads ---------------------------------------------------------------------------
     def available_memory(self, device: torch.device) -> int:

@@ -166,7 +166,9 @@ class ModelRunner:
         self.thread_policy = platform.thread_policy(bool(config.adaptive_threads))
         self._staging = StepStaging()
         self.kv_cache_dtype = config.cache_config.cache_dtype(config.model_config.torch_dtype)
-        self.attn_backend = platform.attention_backend(self.kv_cache_dtype)
+        self.attn_backend = platform.attention_backend(
+            self.kv_cache_dtype, reference=config.layer_config.use_hw_agnostic
+        )
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches()
 
