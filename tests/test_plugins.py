@@ -22,6 +22,7 @@ from strata import LLM, SamplingParams, plugins
 from strata.custom_op import CustomOp, op_registry, unregister_oot
 from strata.hw_agnostic.layers import GluMLP, SiluAndMul
 from strata.hw_agnostic.layers.layernorm import GemmaRMSNorm
+from strata.platforms import Platform, register_platform
 
 from example_plugins import install_example
 
@@ -183,6 +184,43 @@ def test_a_plugin_activation_keeps_its_glu_mlp_unfused(tiny_model_dir: Callable[
         unregister_oot("SiluAndMul")
     assert fused and not any(fused)
     assert CountingSiluAndMul.calls >= 2 * len(fused)  # every MLP, in each of the two steps
+
+
+class BarePlatform(Platform):
+    """A plugin's platform with nothing of its own: the base class's hooks (reference layers and attention
+    backend, no graph passes, default Inductor options), computing on the CPU device."""
+
+    name = "bare"
+    device_type = "cpu"
+    forward_method = "forward_bare"
+
+    def available_memory(self, device: torch.device) -> int:
+        return 1 << 30
+
+
+def test_a_platform_without_kernels_compiles_the_reference_path(
+    restore_registry: None, tiny_model_dir: Callable[[str], Path]
+) -> None:
+    """Compiling needs nothing from a platform: one with no kernels runs the hw-agnostic layers through
+    Inductor, which generates their math and calls a matmul library for the linears, and gives eager's
+    greedy tokens."""
+    register_platform(BarePlatform())
+    folder = str(tiny_model_dir("llama"))
+    prompts = [{"prompt_token_ids": [1, 43, 47, 90, 61]}, {"prompt_token_ids": [1, 100]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = []
+    for compiled_forward in (False, True):
+        llm = LLM(folder, device="bare", skip_tokenizer_init=True, compile=compiled_forward)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+    assert {row["provider"] for row in llm.layer_providers() if row["op"] != "attention"} == {"hw-agnostic"}
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None and compiled.stats.compiled_cpp_wrapper == 0  # Inductor's default wrapper
+    reports = [report for report in compiled.backend.piece_reports.values() if report is not None]
+    assert len(reports) == compiled.stats.distinct_pieces > 0
+    assert all(report.generated_kernels > 0 for report in reports)
+    assert {op for report in reports for op in report.extern_calls} == {"aten::mm"}
+    assert "aten::rsqrt" in {op for report in reports for op in report.fused_ops}
 
 
 EXAMPLE_PLATFORM_RUN = textwrap.dedent(

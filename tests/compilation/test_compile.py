@@ -18,6 +18,7 @@ from strata import LLM, SamplingParams
 from strata.compilation import backend
 from strata.compilation.layer_name import HAS_OPAQUE_TYPE, LayerName
 from strata.compilation.passes import traced_value
+from strata.compilation.piece_report import PieceReport
 from strata.config import CompilationConfig, ConfigError
 from strata.platforms.cpu.inductor import inductor_code
 from strata.worker.model_runner import ModelOutput
@@ -337,6 +338,46 @@ def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
     assert _stats(shared["llm"]).dynamo_graphs == 1
     assert _stats(per_layer["llm"]).dynamo_graphs == _num_layers(per_layer["llm"])
     assert shared["tokens"] == per_layer["tokens"] == shared["eager_tokens"]
+
+
+def piece_reports(llm: LLM) -> list[PieceReport]:
+    """The report of every distinct piece the engine compiled or loaded; each must have one."""
+    compiled = llm.engine.runner.compiled
+    assert compiled is not None
+    reports = [report for report in compiled.backend.piece_reports.values() if report is not None]
+    assert len(reports) == compiled.stats.distinct_pieces > 0
+    return reports
+
+
+def test_reports_show_generated_norms_and_activations_and_matmuls_called(
+    runs: Callable[..., dict[str, Any]],
+) -> None:
+    """With the hw-agnostic layers every piece is tensor math: Inductor generates kernels for the RMSNorms and
+    the SiLU (decomposed into exp and div) and calls a matmul library (`aten::mm`) for each linear. The piece
+    between two attention calls holds one decoder layer's linears, so it calls mm that many times."""
+    llm = runs(("bundled", "hw-agnostic", True, "model"))["llm"]
+    reports = piece_reports(llm)
+    assert all(report.generated_kernels > 0 for report in reports)
+    assert {op for report in reports for op in report.extern_calls} == {"aten::mm"}
+    generated = {op for report in reports for op in report.fused_ops}
+    assert {"aten::pow", "aten::mean", "aten::rsqrt", "aten::exp", "aten::div"} <= generated
+    linears = [
+        row
+        for row in llm.layer_providers()
+        if row["op"] == "linear" and row["module"].startswith("model.layers.0.")
+    ]
+    assert max(report.extern_calls["aten::mm"] for report in reports) == len(linears)
+
+
+def test_reports_show_the_cpu_kernels_as_extern_calls(runs: Callable[..., dict[str, Any]]) -> None:
+    """With the CPU layers the linears and norms are Strata's kernels: the pieces call them, and no norm math
+    is left for Inductor to generate (it generates the rotary embedding's)."""
+    reports = piece_reports(runs(("bundled", "default", True, "model"))["llm"])
+    called = {op for report in reports for op in report.extern_calls}
+    assert {"strata_cpu::linear", "strata_cpu::linear_group", "strata_cpu::fused_add_rms_norm"} <= called
+    assert all(op.startswith("strata_cpu::") for op in called)
+    generated = {op for report in reports for op in report.fused_ops}
+    assert "aten::cos" in generated and not {"aten::rsqrt", "aten::mean"} & generated
 
 
 def _piece_sources(llm: LLM) -> list[str]:

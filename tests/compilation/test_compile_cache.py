@@ -63,6 +63,12 @@ def test_second_start_loads_every_piece_with_zero_inductor_compilations(
     assert counters["inductor"]["fxgraph_cache_miss"] == misses
     summary = [r.getMessage() for r in caplog.records if "pieces" in r.getMessage()]
     assert len(summary) == 1 and f"0 compiled, {stats.distinct_pieces} loaded from cache" in summary[0]
+    # What Inductor made of each piece comes with it from disk, logged once per piece.
+    reports = second.engine.runner.compiled.backend.piece_reports  # type: ignore[union-attr]
+    assert reports == first.engine.runner.compiled.backend.piece_reports  # type: ignore[union-attr]
+    assert all(report is not None for report in reports.values())
+    logged = [r.getMessage() for r in caplog.records if "extern calls" in r.getMessage()]
+    assert sorted(logged) == sorted(report.describe() for report in reports.values() if report is not None)
 
 
 def test_disable_compile_cache_env_and_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

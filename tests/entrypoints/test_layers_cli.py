@@ -43,6 +43,17 @@ def test_layers_table_totals_and_verify(capsys: pytest.CaptureFixture[str]) -> N
     assert rows["rms_norm"][1] == "11" and float(rows["rms_norm"][2]) < 1e-5
 
 
+def test_layers_compile_reports_each_compiled_piece(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--compile` runs a compiled step and lists each distinct piece (before the first attention, between
+    two, after the last) with the kernels Inductor generated and the matmuls it calls."""
+    assert main(["layers", "--compile", "--layer-impl", "hw-agnostic"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.input_layernorm" in out  # the layer table still comes first
+    pieces = out.split("compiled pieces", 1)[1].splitlines()[3:]
+    assert len(pieces) == 3
+    assert all("aten::rsqrt" in row and "aten::mm x" in row for row in pieces)
+
+
 def test_layers_hw_agnostic_and_custom_ops(
     capsys: pytest.CaptureFixture[str], tiny_model_dir: Callable[[str], Path]
 ) -> None:

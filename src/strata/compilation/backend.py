@@ -42,6 +42,7 @@ from torch.fx.passes.split_module import split_module
 from strata.atomic_file import write_atomically
 from strata.compilation.layer_name import OpaqueBase, split_points
 from strata.compilation.passes import PassManager, traced_value
+from strata.compilation.piece_report import PieceReport, piece_report
 from strata.platforms import Platform
 
 logger = logging.getLogger("strata.compilation")
@@ -53,8 +54,13 @@ _SPLIT_POINTS = split_points()
 # Its size, stride and alignment checks on each input and each custom-op output are Python calls that
 # evaluate symbolic sizes on every run: at batch 1 they cost about as much as a layer's attention. The
 # shapes they check are fixed by the trace and the ops' fake implementations, which the tests compare with
-# eager.
-INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "alignment_asserts": False}
+# eager. Provenance tracking at its basic level records which kernel computes which node of a piece, for
+# `piece_report`: a list of names per kernel while Inductor generates code.
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "size_asserts": False,
+    "alignment_asserts": False,
+    "trace.provenance_tracking_level": 2,
+}
 
 
 def piece_options(inputs: Sequence[Any], platform: Platform, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -245,6 +251,8 @@ class StrataBackend:
         self.cache_dir = cache_dir
         self.inductor_options = inductor_options or {}
         self.stats = CompileStats()
+        # Per distinct piece, what Inductor generated and what it calls (None: no record in its artifact).
+        self.piece_reports: dict[str, PieceReport | None] = {}
         self._pieces: dict[str, Callable[..., Any]] = {}
         self._count_loads = True
 
@@ -294,9 +302,18 @@ class StrataBackend:
             if path is None or not path.is_file():
                 raise FileNotFoundError(f"compiled piece {key} is not in the compile cache")
             self.stats.distinct_pieces += 1
-            self._pieces[key] = CompiledArtifact.load(path=str(path), format="binary")
+            self._add_piece(key, CompiledArtifact.load(path=str(path), format="binary"))
             self.stats.loaded += 1
         return self._pieces[key]
+
+    def _add_piece(self, key: str, artifact: Any) -> None:
+        """Keep a new distinct piece and log, once per engine, what Inductor made of it."""
+        self._pieces[key] = artifact
+        report = self.piece_reports[key] = piece_report(key, artifact)
+        if report is None:
+            logger.info("piece %s: Inductor kept no record of its kernels", key[:12])
+        else:
+            logger.info("%s", report.describe())
 
     def _piece_path(self, key: str) -> Path | None:
         return self.cache_dir / f"{key}.bin" if self.cache_dir is not None else None
@@ -318,7 +335,7 @@ class StrataBackend:
         self.stats.compiled_cpp_wrapper += options["cpp_wrapper"]
         if path is not None:
             write_atomically(path, lambda tmp: artifact.save(path=str(tmp), format="binary"))
-        self._pieces[key] = artifact
+        self._add_piece(key, artifact)
         return artifact
 
 

@@ -1,19 +1,23 @@
-"""`strata layers`: which implementation each layer of a model runs, and (`--verify`) how far each replaced
-layer's output is from its op's hw-agnostic reference, failing on a mismatch."""
+"""`strata layers`: which implementation each layer of a model runs, (`--verify`) how far each replaced
+layer's output is from its op's hw-agnostic reference, failing on a mismatch, and (`--compile`) what
+Inductor made of each compiled piece: the ops it generated kernels for and the existing kernels it calls."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strata.engine_args import EngineArgs
 from strata.entrypoints.cli import LAYER_OPTIONS, MODEL_OPTIONS
 
-LAYERS_OPTIONS = (*MODEL_OPTIONS, *LAYER_OPTIONS)
+if TYPE_CHECKING:
+    from strata.engine.llm_engine import LLMEngine
+
+LAYERS_OPTIONS = (*MODEL_OPTIONS, *LAYER_OPTIONS, "compile")
 
 
 def add_layers_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,29 +44,69 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 VERIFY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
+def _compiled_pieces(engine: LLMEngine) -> list[dict[str, Any]]:
+    """One step of the compiled engine, so that its pieces exist, then a row per distinct piece."""
+    from strata.sampling_params import SamplingParams
+
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    compiled = engine.runner.compiled
+    assert compiled is not None
+    rows = []
+    for key, report in compiled.backend.piece_reports.items():
+        if report is None:  # Inductor's provenance tracking switched off for this engine
+            rows.append(
+                {"piece": key[:12], "kernels": "-", "generated ops": "no record", "extern calls": "-"}
+            )
+            continue
+        calls = ", ".join(f"{op} x{count}" for op, count in report.extern_calls.items()) or "-"
+        fused = ", ".join(report.fused_ops) or "-"
+        rows.append(
+            {
+                "piece": key[:12],
+                "kernels": report.generated_kernels,
+                "generated ops": fused,
+                "extern calls": calls,
+            }
+        )
+    return rows
+
+
 def run_layers(args: argparse.Namespace) -> int:
     from strata.attention.backend import describe_attention
     from strata.custom_op import describe_layers, summarize_layers
+    from strata.engine.llm_engine import LLMEngine
     from strata.models.transformers.layers import verify_attention, verify_layers
     from strata.models.transformers.loader import build_model
 
-    # Only the model is built, not an engine: no tokenizer is needed.
+    # Without --compile only the model is built, not an engine; no tokenizer is needed either way.
     engine_args = replace(EngineArgs.from_cli_args(args, LAYERS_OPTIONS), skip_tokenizer_init=True)
     config = engine_args.create_engine_config()
     model_config = config.model_config
     platform = config.platform
-    platform.prepare()
-    model, specs = build_model(model_config, config.layer_config, platform)
-    model.to(config.torch_device)
-    backend = platform.attention_backend(
-        config.cache_config.cache_dtype(model_config.torch_dtype), reference=config.layer_config.use_hw_agnostic
-    )
+    pieces = None
+    if config.compilation_config.compile:
+        engine = LLMEngine(config)
+        pieces = _compiled_pieces(engine)
+        model, specs, backend = engine.runner.model, engine.runner.layers, engine.runner.attn_backend
+    else:
+        platform.prepare()
+        model, specs = build_model(model_config, config.layer_config, platform)
+        model.to(config.torch_device)
+        backend = platform.attention_backend(
+            config.cache_config.cache_dtype(model_config.torch_dtype),
+            reference=config.layer_config.use_hw_agnostic,
+        )
     rows = describe_layers(model) + describe_attention([spec.name for spec in specs], backend)
     print(
         f"model: {model_config.model}  platform: {platform.name}  layer_impl: {config.layer_config.layer_impl}"
     )
     print(format_table(rows, ["module", "op", "provider", "class", "forward"]))
     print(f"total: {summarize_layers(rows)}")
+    if pieces is not None:
+        print("\ncompiled pieces: kernels Inductor generated (with the ops they compute) and extern calls")
+        print(format_table(pieces, ["piece", "kernels", "generated ops", "extern calls"]))
     if not args.verify:
         return 0
     checks = [*verify_layers(model), verify_attention(backend, specs, model_config.torch_dtype)]

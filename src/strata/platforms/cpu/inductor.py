@@ -27,6 +27,7 @@ import torch
 
 from strata import envs
 from strata.atomic_file import write_atomically
+from strata.compilation.inductor_artifact import closure_values, wrapper_chain
 from strata.platforms.cpu.kernels import cpu_description
 
 logger = logging.getLogger("strata.compilation")
@@ -109,18 +110,14 @@ def inductor_code(artifact: Any) -> Callable[[list[Any]], Any] | None:
     from torch._functorch._aot_autograd.runtime_wrappers import SerializableCompiledFunction
     from torch._inductor.output_code import CompiledFxGraph
 
-    fn = getattr(artifact, "_compiled_fn", None)
-    for _ in range(len(_PASS_THROUGH_WRAPPERS) + 2):
+    for fn in wrapper_chain(artifact):
         if isinstance(fn, CompiledFxGraph):
             return fn.current_callable if set(fn.device_types) <= {"cpu"} else None
-        if isinstance(fn, SerializableCompiledFunction):  # calls `compiled_fn`, keeps a way to save it
-            fn = fn.compiled_fn
+        if isinstance(fn, SerializableCompiledFunction):
             continue
         code = getattr(fn, "__code__", None)
         if code is None or code.co_qualname not in _PASS_THROUGH_WRAPPERS:
             return None
-        free = dict(zip(code.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ()), strict=True))
-        if free.get("params_buffers_flat"):
+        if closure_values(fn).get("params_buffers_flat"):
             return None
-        fn = getattr(fn, "__wrapped__", None) or free.get("compiled_fn")
     return None
