@@ -24,9 +24,9 @@ written by llama.cpp's own quantizer and cached beside it (`-f32` names the F32 
 llama-cpp-python, the `gguf` package writes q8_0 (`GGUF_PY_QUANTS`; each model's `gguf_quantized_by` in the
 report says which wrote a file) and the engines on the others are skipped. A Strata GGUF row is compared
 with llama.cpp on the same file (`vs_llama_cpp`) and with `strata-compiled` on the folder (`vs_strata_f32`)
-when they ran. --gguf-file benchmarks an existing GGUF instead of the folders, with
-`strata-gguf` and `llama.cpp` both on it. A GGUF engine's `bw%` counts the bytes of the file's 2-D weights
-(the token embedding only when it is also the output head: a step reads one row of an untied one).
+when they ran. --gguf-file benchmarks an existing GGUF instead of the folders, with `strata-gguf` (and
+`strata-gguf-hw-agnostic`) and `llama.cpp` on it. A GGUF engine's `bw%` counts the bytes of the file's 2-D
+weights (the token embedding only when it is also the output head: a step reads one row of an untied one).
 
     python benchmarks/throughput.py --models smollm-135m --concurrency 1,8,32 --json-out /tmp/tp.json
     python benchmarks/throughput.py --engines strata,strata-compiled,strata-int8,transformers --prefill-len 0
@@ -34,9 +34,9 @@ when they ran. --gguf-file benchmarks an existing GGUF instead of the folders, w
         strata-compiled,strata-gguf-q4_0,llama.cpp-q4_0,strata-gguf-q4_k_m,llama.cpp-q4_k_m
     python benchmarks/throughput.py --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf --concurrency 1
 
-Engines on the hw-agnostic layers: `H-hw-agnostic[-R]` is Strata engine `H[-R]` (H: strata,
-strata-compiled or strata-gguf) with `layer_impl="hw-agnostic"`, every layer's pure-PyTorch reference, as
-`E-tpN` is E over N processes: strata-compiled-hw-agnostic, strata-compiled-hw-agnostic-bf16,
+Engines on the hw-agnostic layers: for any Strata engine `H[-R]`, H its head (strata, strata-compiled or
+strata-gguf), `H-hw-agnostic[-R]` is the same engine with `layer_impl="hw-agnostic"`, every layer's
+pure-PyTorch reference: strata-compiled-hw-agnostic, strata-compiled-hw-agnostic-bf16,
 strata-gguf-hw-agnostic-q8_0. Its row's `vs_default` is its tokens/s over that default engine's (same
 weights, options and run); its greedy ids are checked against the default's. Issue 49's table (float32 and
 bfloat16 folder, Q8_0 and Q4_K_M files, each beside its default; then the real SmolLM2 Q4_1 file):
@@ -201,7 +201,8 @@ def strata_engine(
         return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 
     def stream(prompt: list[int], new_tokens: int) -> Generator[int, None, None]:
-        """The prompt's tokens as the engine's steps produce them (`LLM.generate` returns them at the end)."""
+        """The new tokens of a request as the engine's steps make them (`LLM.generate` hands all over at the
+        end)."""
         params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
         request_id = llm.engine.add_request({"prompt_token_ids": prompt}, params).request_id
         sent = 0
@@ -636,8 +637,7 @@ def take_turns(
 def bench_model(model: str, engines: list[str], args: argparse.Namespace, report: dict[str, Any]) -> None:
     """One model's decode rows (into `report["results"]`), prefill rows (`report["prefill"]`), decode rows
     at --context (`report["context"]`), weights and greedy check (`report["models"]`), every engine loaded
-    once for all of them. With --gguf-file the model
-    is that file, and only the GGUF engines run, on it."""
+    once for all of them. With --gguf-file the model is that file, and only the GGUF engines run, on it."""
     folder = None if args.gguf_file else ensure_model_folder(model, args.model_dir)
     files = {fmt: args.gguf_file or ensure_gguf(folder, fmt) for e in engines if (fmt := gguf_format(e))}
     gguf_reads = {fmt: gguf_step_weights(path) for fmt, path in files.items()}
