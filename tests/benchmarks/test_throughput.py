@@ -6,9 +6,12 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from benchmark_scripts import run_benchmark
 
@@ -108,3 +111,58 @@ def test_gguf_engines_run_on_a_quantized_file_beside_llama_cpp(tmp_path: Path) -
     prefill = {row["engine"]: row for row in report["prefill"]}
     assert set(prefill) == set(engines) and "vs_llama_cpp" in prefill["strata-gguf-q8_0"]
     assert "strata-gguf-q8_0 match (llama.cpp-q8_0)" in table or "MISMATCH (llama.cpp-q8_0)" in table
+
+
+def test_hw_agnostic_engines_run_beside_their_defaults_with_a_long_context_row(tmp_path: Path) -> None:
+    # Kernels off: the harness is under test, and without them a compiled GGUF engine needs no compiler.
+    # strata-gguf, on the F32 file, writes the file the Q8_0 one is checked against.
+    engines = (
+        "strata,strata-hw-agnostic,strata-gguf,strata-gguf-q8_0,strata-gguf-hw-agnostic-q8_0,transformers"
+    )
+    args = ["--models", "tiny", "--engines", engines, "--concurrency", "1,2", "--new-tokens", "4"]
+    args += ["--repeats", "1", "--prefill-len", "8", "--context", "24", "--threads", "1"]
+    report, table = run_benchmark("throughput", *args, "--model-dir", str(tmp_path), env=NO_KERNELS)
+
+    assert report["settings"]["engines"] == engines.split(",") and report["settings"]["context"] == 24
+    defaults = {"strata-hw-agnostic": "strata", "strata-gguf-hw-agnostic-q8_0": "strata-gguf-q8_0"}
+    info = report["models"]["tiny"]
+    for engine, default in defaults.items():
+        assert info["greedy_reference"][engine] == default
+        assert info["greedy_match"][engine]  # the same greedy ids on the same weights
+    assert len(report["context"]) == len(report["settings"]["engines"])
+    for kind, key in (
+        ("results", "tokens_per_s"),
+        ("prefill", "prompt_tokens_per_s"),
+        ("context", "tokens_per_s"),
+    ):
+        runs: dict[Any, dict[str, Any]] = {}
+        for row in report[kind]:
+            runs.setdefault(row.get("concurrency"), {})[row["engine"]] = row
+        for rows in runs.values():
+            assert set(rows) == set(report["settings"]["engines"])
+            for engine, row in rows.items():
+                assert row[key] > 0
+                if engine in defaults:
+                    assert row["vs_default"] == row[key] / rows[defaults[engine]][key]
+                else:
+                    assert "vs_default" not in row
+    assert all(row["context"] == 24 and len(row["runs_s"]) == 1 for row in report["context"])
+    cells = [[cell.strip() for cell in line.split("|")] for line in table.strip().splitlines()]
+    assert "vs default" in next(line for line in cells if line[0] == "model")
+    assert [line[2] for line in cells if line[:2] == ["tiny", "context 24"]] == engines.split(",")
+
+    # The Q8_0 file: llama.cpp's quantizer writes it, or without it the gguf package, each 2-D weight in
+    # Q8_0 blocks within half a step of the F32 file's weight, the step (the block's largest magnitude / 127)
+    # stored in float16 (relative error up to 2^-11, times up to 127 steps).
+    assert info["gguf_quantized_by"] == {"q8_0": "gguf-py" if LLAMA_CPP_MISSING else "llama.cpp"}
+    exact = {t.name: t for t in GGUFReader(tmp_path / "tiny" / "model-f32.gguf").tensors}
+    for tensor in GGUFReader(tmp_path / "tiny" / "model-q8_0.gguf").tensors:
+        weight = np.asarray(exact[tensor.name].data, dtype=np.float32)
+        if len(tensor.shape) == 1:
+            assert tensor.tensor_type == GGMLQuantizationType.F32
+            continue
+        assert tensor.tensor_type == GGMLQuantizationType.Q8_0
+        blocks = weight.reshape(-1, 32)
+        error = np.abs(dequantize(tensor.data, tensor.tensor_type).reshape(-1, 32) - blocks)
+        step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+        assert (error <= step * (0.5 + 127 / 2**11)).all()
