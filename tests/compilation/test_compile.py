@@ -89,7 +89,15 @@ CASES = [
 ]
 Case = tuple[str, str, bool, str]
 # The CPU decode-attention kernels, alone or with the cache write: a decode step calls one of them per layer.
+# The extern call of a linear that `linears_to_onednn` rewrote, as the piece reports name it.
+ONEDNN_LINEAR = "strata_onednn::linear"
 DECODE_KERNELS = {"strata_cpu::paged_decode_attention", "strata_cpu::decode_attention_with_kv_write"}
+
+
+def attention_ops(case: Case) -> set[str]:
+    """Ops a step's attention dispatches: the CPU kernels, or with the hw-agnostic layers (which come with the
+    reference backend) its cache write."""
+    return DECODE_KERNELS if case[1] == "default" else {"aten::index_copy_"}
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +208,7 @@ def test_compiled_forward_calls_attention_without_the_dispatcher(
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), use_tqdm=False)
     ops = {event.key for event in profile.key_averages()}
-    assert ops & DECODE_KERNELS  # attention ran, and the profiler saw ops
+    assert ops & attention_ops(case)  # attention ran, and the profiler saw ops
     assert {op for op in ops if op.startswith("strata::")} == set()
 
 
@@ -250,7 +258,7 @@ def test_pieces_are_called_straight_into_inductors_code(
     finally:
         sys.setprofile(None)
     events = {event.key for event in profile.key_averages()}
-    assert events & DECODE_KERNELS  # the profiler saw the step
+    assert events & attention_ops(case)  # the profiler saw the step
     assert not [event for event in events if event.startswith("## Call CompiledFxGraph")]
     assert "generate" in python_calls and "custom_op_wrapper" not in python_calls
 
@@ -291,7 +299,7 @@ def test_a_switched_off_pass_does_not_run(bundled_model_dir: Path) -> None:
         compile=True,
         compilation_config={"passes": {"group_sibling_linears": False}, "use_cache": False},
     )
-    assert list(_pass_counts(llm)) == ["fuse_residual_add_into_rms_norm"]
+    assert list(_pass_counts(llm)) == ["fuse_residual_add_into_rms_norm", "linears_to_onednn"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
@@ -328,6 +336,15 @@ def test_q_k_and_v_projections_group_into_one_linear_call(
     assert _pass_counts(llm)["group_sibling_linears"] == expected
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == "model"], ids=lambda c: "-".join(map(str, c)))
+def test_plain_linears_go_to_onednn(runs: Callable[..., dict[str, Any]], case: Any) -> None:
+    """Every linear left as `F.linear` (all of them with the hw-agnostic layers, none where Strata's CPU
+    kernels serve them) becomes oneDNN's matmul on the same weight. Outputs: the matches-eager test."""
+    llm = runs(case)["llm"]
+    plain = [row for row in llm.layer_providers() if row["op"] == "linear" and row["provider"] == "hw-agnostic"]
+    assert _pass_counts(llm)["linears_to_onednn"] == len(plain) * _stats(llm).dynamo_graphs
+
+
 def test_layer_mode_traces_one_layer_for_all_and_str_names_one_per_layer(
     runs: Callable[..., dict[str, Any]],
 ) -> None:
@@ -353,12 +370,13 @@ def test_reports_show_generated_norms_and_activations_and_matmuls_called(
     runs: Callable[..., dict[str, Any]],
 ) -> None:
     """With the hw-agnostic layers every piece is tensor math: Inductor generates kernels for the RMSNorms and
-    the SiLU (decomposed into exp and div) and calls a matmul library (`aten::mm`) for each linear. The piece
-    between two attention calls holds one decoder layer's linears, so it calls mm that many times."""
+    the SiLU (decomposed into exp and div) and calls a matmul library (oneDNN's, `linears_to_onednn`) for
+    each linear. The piece between two attention calls holds one decoder layer's linears, so it calls the
+    matmul that many times."""
     llm = runs(("bundled", "hw-agnostic", True, "model"))["llm"]
     reports = piece_reports(llm)
     assert all(report.generated_kernels > 0 for report in reports)
-    assert {op for report in reports for op in report.extern_calls} == {"aten::mm"}
+    assert {op for report in reports for op in report.extern_calls} == {ONEDNN_LINEAR}
     generated = {op for report in reports for op in report.fused_ops}
     assert {"aten::pow", "aten::mean", "aten::rsqrt", "aten::exp", "aten::div"} <= generated
     linears = [
@@ -366,7 +384,7 @@ def test_reports_show_generated_norms_and_activations_and_matmuls_called(
         for row in llm.layer_providers()
         if row["op"] == "linear" and row["module"].startswith("model.layers.0.")
     ]
-    assert max(report.extern_calls["aten::mm"] for report in reports) == len(linears)
+    assert max(report.extern_calls[ONEDNN_LINEAR] for report in reports) == len(linears)
 
 
 def test_reports_show_the_cpu_kernels_as_extern_calls(runs: Callable[..., dict[str, Any]]) -> None:

@@ -42,11 +42,16 @@ class CpuPlatform(Platform):
         return InductorWarmup().wait
 
     def graph_passes(self) -> dict[str, Callable[[Any], int]]:
-        from strata.platforms.cpu.passes import fuse_residual_add_into_rms_norm, group_sibling_linears
+        from strata.platforms.cpu.passes import (
+            fuse_residual_add_into_rms_norm,
+            group_sibling_linears,
+            linears_to_onednn,
+        )
 
         return {
             "fuse_residual_add_into_rms_norm": fuse_residual_add_into_rms_norm,
             "group_sibling_linears": group_sibling_linears,
+            "linears_to_onednn": linears_to_onednn,
         }
 
     def inductor_options(self) -> dict[str, Any]:

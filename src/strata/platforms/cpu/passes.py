@@ -7,6 +7,9 @@ hw-agnostic norm Inductor sees plain tensor math and fuses the add itself, so th
 
 `group_sibling_linears` turns the linears that read one input (a layer's q, k and v projections) into one
 `strata_cpu::linear_group` call: one dispatch and one parallel region for all three at decode sizes.
+
+`linears_to_onednn` turns the plain `F.linear` calls that are left (the hw-agnostic layers', or any a
+platform kernel does not serve) into oneDNN's matmul on the same weights (`strata.platforms.cpu.onednn`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from strata.compilation.passes import is_call, same_tensor_type, traced_value
+from strata.platforms.cpu import onednn
 
 
 def fuse_residual_add_into_rms_norm(gm: fx.GraphModule) -> int:
@@ -96,5 +100,35 @@ def group_sibling_linears(gm: fx.GraphModule) -> int:
             graph.erase_node(member)
             if isinstance(old_input, fx.Node) and old_input is not x and not old_input.users:
                 graph.erase_node(old_input)
+        count += 1
+    return count
+
+
+def linears_to_onednn(gm: fx.GraphModule) -> int:
+    """Replace each `F.linear(x, weight, bias)` on CPU tensors of a dtype oneDNN takes (`onednn.DTYPES`, the
+    weight 2-D and of x's dtype) by `strata_onednn::linear`, which Inductor lowers to oneDNN's matmul.
+    Returns the number of replacements."""
+    linears = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear.default)
+    count = 0
+    for node in list(gm.graph.nodes):
+        if not is_call(node, linears) or node.kwargs or len(node.args) not in (2, 3):
+            continue
+        x, weight, bias = (*node.args, None)[:3]
+        values = [traced_value(n) if isinstance(n, fx.Node) else n for n in (x, weight, bias)]
+        if not all(isinstance(v, torch.Tensor) for v in values[:2]) or not (
+            values[2] is None or isinstance(values[2], torch.Tensor)
+        ):
+            continue
+        dtypes = {v.dtype for v in values if v is not None}
+        devices = {v.device.type for v in values if v is not None}
+        if dtypes - set(onednn.DTYPES) or len(dtypes) != 1 or devices != {"cpu"} or values[1].dim() != 2:
+            continue
+        if not onednn.register():
+            return 0
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.ops.strata_onednn.linear.default, (x, weight, bias))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
         count += 1
     return count
