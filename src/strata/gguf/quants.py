@@ -161,19 +161,25 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoded(NamedTuple):
-    """Blocks decoded as integer quants and their float32 factors: weights = `q * scale (+ offset)`, in
-    that order (ggml's), so the result is bit-identical to ggml's reference.
+    """Blocks decoded as unsigned integer quants and their factors: weights = `(q - zero) * scale (+ offset)`,
+    in that order (ggml's), so the result is bit-identical to ggml's reference.
 
-    `q` is `[..., blocks, *shape]`, the block's weights in order once its trailing dims are flattened, shaped
-    so that each group sharing a scale is a trailing run; `scale` and `offset` broadcast against it."""
+    `q` is uint8 (int8 for Q8_0) `[..., blocks, *shape]`, the block's weights in order once its trailing dims
+    are flattened, shaped so that each group sharing a scale is a trailing run; `scale` and `offset` are
+    float32 and broadcast against it. The zero point is subtracted in float32 (exact for these small
+    integers): Inductor's CPU code converts uint8 to float32 vectors directly, but to int8 slowly."""
 
     q: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None = None
+    zero: int = 0
 
     def weights(self) -> torch.Tensor:
         """float32 `[..., blocks, *shape]`, computed in place of the one float32 conversion of `q`."""
-        out = self.q.to(torch.float32).mul_(self.scale)
+        out = self.q.to(torch.float32)
+        if self.zero:
+            out = out.sub_(self.zero)
+        out = out.mul_(self.scale)
         return out if self.offset is None else out.add_(self.offset)
 
 
@@ -183,11 +189,6 @@ class Decoded(NamedTuple):
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """16 bytes -> `[..., 2, 16]` nibbles per block: low nibbles are weights 0..15, high nibbles 16..31."""
     return _unpack(qs, 2, 4)
-
-
-def _centred(q: torch.Tensor, zero: int) -> torch.Tensor:
-    """Unsigned quants minus the format's zero point, as int8."""
-    return q.to(torch.int8) - zero
 
 
 def _pair_scale(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -200,7 +201,7 @@ def _q8_0(blocks: torch.Tensor) -> Decoded:
 
 
 def _q4_0(blocks: torch.Tensor) -> Decoded:
-    return Decoded(_centred(_nibbles(blocks[..., 2:18]), 8), _pair_scale(blocks, 0))
+    return Decoded(_nibbles(blocks[..., 2:18]), _pair_scale(blocks, 0), zero=8)
 
 
 def _q4_1(blocks: torch.Tensor) -> Decoded:
@@ -213,8 +214,7 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_0(blocks: torch.Tensor) -> Decoded:
-    q = _centred(_five_bit(blocks[..., 2:6], blocks[..., 6:22]), 16)
-    return Decoded(q, _pair_scale(blocks, 0))
+    return Decoded(_five_bit(blocks[..., 2:6], blocks[..., 6:22]), _pair_scale(blocks, 0), zero=16)
 
 
 def _q5_1(blocks: torch.Tensor) -> Decoded:
@@ -237,6 +237,16 @@ def _per_sixteen(scales: torch.Tensor) -> torch.Tensor:
     return scales.unflatten(-1, (2, 4, 2)).unsqueeze(-1)
 
 
+def _scale_and_offset(dl: torch.Tensor, ml: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-quant's per-group factors `dl` and `-ml`, computed as one tensor.
+
+    Each takes a float16 decode and a 6-bit field; inlined into a compiled product, both would be recomputed
+    for every 16 weights, and Inductor would rather store the whole float weight. One concatenation is a
+    buffer Inductor's CPU code writes once per call (a few bytes per group), which the product then reads."""
+    both = torch.cat([dl, -ml], dim=-1)
+    return both[..., : dl.shape[-1]], both[..., dl.shape[-1] :]
+
+
 def _crumbs(qs: torch.Tensor) -> torch.Tensor:
     """Q2_K/Q3_K low bits: 64 bytes -> `[..., 2, 4, 32]` 2-bit quants: each 32-byte half covers 128 weights;
     shift 2j of byte l is weight 32j + l of its half."""
@@ -246,9 +256,10 @@ def _crumbs(qs: torch.Tensor) -> torch.Tensor:
 def _q2_k(blocks: torch.Tensor) -> Decoded:
     # scales[16] (low nibble: scale, high nibble: min, one pair per 16 weights), qs[64], f16 d, f16 dmin
     scales = blocks[..., 0:16]
-    dl = _f16(blocks, 80) * (scales & 0xF).to(torch.float32)
-    ml = _f16(blocks, 82) * (scales >> 4).to(torch.float32)
-    return Decoded(_sixteens(_crumbs(blocks[..., 16:80])), _per_sixteen(dl), _per_sixteen(-ml))
+    scale, offset = _scale_and_offset(
+        _f16(blocks, 80) * (scales & 0xF).to(torch.float32), _f16(blocks, 82) * (scales >> 4).to(torch.float32)
+    )
+    return Decoded(_sixteens(_crumbs(blocks[..., 16:80])), _per_sixteen(scale), _per_sixteen(offset))
 
 
 def _q3_k(blocks: torch.Tensor) -> Decoded:
@@ -260,8 +271,8 @@ def _q3_k(blocks: torch.Tensor) -> Decoded:
     dl = _f16(blocks, 108) * (low | (high << 4)).to(torch.float32).sub(32)
     # The high bit is inverted: a set bit means +0, a clear one -4, so q = (low2 | high << 2) - 4.
     high_bit = _unpack(blocks[..., 0:32], 8, 1).unflatten(-2, (2, 4))
-    q = _centred(_crumbs(blocks[..., 32:96]) | (high_bit << 2), 4)
-    return Decoded(_sixteens(q), _per_sixteen(dl))
+    q = _crumbs(blocks[..., 32:96]) | (high_bit << 2)
+    return Decoded(_sixteens(q), _per_sixteen(dl), zero=4)
 
 
 def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,9 +289,10 @@ def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _k4(blocks: torch.Tensor, q: torch.Tensor) -> Decoded:
     """w = d*scale*q - dmin*min over eight 32-weight sub-blocks, `q` uint8 `[..., 4, 2, 32]`."""
     scale, minimum = _k4_scales(blocks[..., 4:16])
-    dl = _f16(blocks, 0) * scale.to(torch.float32)
-    ml = _f16(blocks, 2) * minimum.to(torch.float32)
-    return Decoded(q, dl.unflatten(-1, (4, 2, 1)), -ml.unflatten(-1, (4, 2, 1)))
+    dl, ml = _scale_and_offset(
+        _f16(blocks, 0) * scale.to(torch.float32), _f16(blocks, 2) * minimum.to(torch.float32)
+    )
+    return Decoded(q, dl.unflatten(-1, (4, 2, 1)), ml.unflatten(-1, (4, 2, 1)))
 
 
 def _k4_nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -304,9 +316,8 @@ def _q6_k(blocks: torch.Tensor) -> Decoded:
     # Weight 32j + l of a half: low nibble j//2 of ql byte 32*(j%2) + l, high 2 bits at 2j of qh byte l.
     low = _unpack(blocks[..., 0:128].unflatten(-1, (2, 2, 32)), 2, 4, dim=-3).flatten(-3, -2)
     high = _unpack(blocks[..., 128:192].unflatten(-1, (2, 32)), 4, 2)
-    q = _centred(low | (high << 4), 32)
     dl = _f16(blocks, 208) * blocks[..., 192:208].view(torch.int8).to(torch.float32)
-    return Decoded(_sixteens(q), _per_sixteen(dl))
+    return Decoded(_sixteens(low | (high << 4)), _per_sixteen(dl), zero=32)
 
 
 _DECODERS: dict[int, Callable[[torch.Tensor], Decoded]] = {
