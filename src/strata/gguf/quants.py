@@ -5,10 +5,12 @@ torch views, bitwise ops, shifts and float32 arithmetic, so the same code runs o
 device, and it computes the same float32 numbers as ggml's own reference dequantization (one rounding per
 multiply or add, in ggml's order), so a kernel can be checked against it bit for bit.
 
-Every format is decoded for all blocks at once (the only Python loops are over a format's handful of
-fields); integer intermediates stay uint8 (one byte per weight) until the single float32 conversion,
-which the float math then updates in place, so the peak is about the float32 output plus a byte or two
-per weight.
+Every format is decoded for all blocks at once, in each type's own block shape (`decode`): unsigned integer
+quants that stay one byte per weight until the single float32 conversion, and per-group float32 factors,
+which the float math then applies in place, so the peak is about the float32 output plus a byte or two per
+weight. The code is also written for torch.compile: packed fields are unpacked by broadcasting shifts (not
+stacking), float16 scales are decoded with int32 and float32 arithmetic (no float16 bit cast), and the zero
+points are subtracted in float32, all of which Inductor's CPU code fuses into one vectorised loop.
 
 Block layouts (ggml's `block_*` structs; f16 fields little endian, as GGUF stores them):
 
@@ -148,11 +150,13 @@ def _unpack(x: torch.Tensor, count: int, width: int, dim: int = -2) -> torch.Ten
 
     Packed formats store several small fields per byte; this decodes them for all blocks at once, staying
     uint8. The shifts broadcast from an `arange` rather than being stacked: Inductor's CPU code builds a
-    stack by copying each part into a buffer, where a broadcast is indexing it fuses into its consumer."""
+    stack by copying each part into a buffer, where a broadcast is indexing it fuses into its consumer.
+    `bitwise_right_shift` rather than `>>`: the meta function of `>>` cannot broadcast a size traced as
+    unknown (an embedding lookup's row count)."""
     assert dim < 0
     shifts = torch.arange(count, dtype=torch.uint8, device=x.device).mul_(width)
     shifts = shifts.view(count, *([1] * (-dim - 1)))
-    return (x.unsqueeze(dim) >> shifts).bitwise_and_((1 << width) - 1)
+    return torch.bitwise_right_shift(x.unsqueeze(dim), shifts).bitwise_and_((1 << width) - 1)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -257,7 +261,8 @@ def _q2_k(blocks: torch.Tensor) -> Decoded:
     # scales[16] (low nibble: scale, high nibble: min, one pair per 16 weights), qs[64], f16 d, f16 dmin
     scales = blocks[..., 0:16]
     scale, offset = _scale_and_offset(
-        _f16(blocks, 80) * (scales & 0xF).to(torch.float32), _f16(blocks, 82) * (scales >> 4).to(torch.float32)
+        _f16(blocks, 80) * (scales & 0xF).to(torch.float32),
+        _f16(blocks, 82) * (scales >> 4).to(torch.float32),
     )
     return Decoded(_sixteens(_crumbs(blocks[..., 16:80])), _per_sixteen(scale), _per_sixteen(offset))
 
@@ -356,11 +361,6 @@ def _checked_rows(data: torch.Tensor, qtype: int, columns: int | None) -> tuple[
             f"but the data has {nbytes}"
         )
     return qtype, columns
-
-
-def is_block_quantized(qtype: int) -> bool:
-    """Whether `qtype` stores blocks of quants and scales (what `decode` takes), not plain floats."""
-    return _checked(qtype) not in _FLOAT_DTYPES
 
 
 def decode(data: torch.Tensor, qtype: int) -> Decoded:

@@ -19,7 +19,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from strata.custom_op import CustomOp, PluggableLayer
-from strata.gguf.quants import block_layout, decode, dequantize, is_block_quantized, row_bytes
+from strata.gguf.quants import block_layout, dequantize, row_bytes
 from strata.hw_agnostic.layers.linear import LinearShape
 
 
@@ -65,38 +65,7 @@ class GGUFLinear(GGUFWeight, LinearShape):
         return f"{super().extra_repr()}, type={self.type_name()}"
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.compiler.is_compiling() and is_block_quantized(self.qtype)):
-            return F.linear(x, self.dequantized().to(x.dtype), self.bias)
-        rows = x.reshape(-1, self.in_features)
-        qtype = self.qtype
-
-        def within_blocks(rows: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-            return block_product(rows, qweight, qtype)
-
-        def dense(rows: torch.Tensor, qweight: torch.Tensor) -> torch.Tensor:
-            return F.linear(rows, dequantize(qweight, qtype).to(rows.dtype))
-
-        # The row count is traced as unknown: the graph holds both and picks one per call.
-        out = torch.cond(rows.shape[0] <= BLOCK_PRODUCT_MAX_ROWS, within_blocks, dense, (rows, self.qweight))
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-# Up to this many rows a compiled GGUF linear sums within the blocks (`block_product`); wider inputs
-# dequantize once into a float weight for the GEMM, as decoding per row would cost more than the write.
-BLOCK_PRODUCT_MAX_ROWS = 2
-
-
-def block_product(rows: torch.Tensor, qweight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """`rows @ W.T` for block-quantized W, as a sum of `rows * W` within each block and then over blocks.
-
-    Compiled, Inductor makes this one loop that decodes each block where it multiplies, so the float weight
-    is never stored: the form for a few rows, each of which decodes the whole weight again. Eager, it would
-    build `[rows, out, in]`; the layers call it only when compiling."""
-    weights = decode(qweight, qtype).weights()  # [out, blocks, *block shape]
-    x = rows.reshape(rows.shape[0], 1, *weights.shape[1:]).to(torch.float32)
-    return (x * weights).sum(tuple(range(2, x.dim()))).to(rows.dtype)
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
 
 @CustomOp.register("gguf_embedding")
