@@ -170,3 +170,34 @@ def test_cuda_matches_cpu(qtype: GGMLQuantizationType) -> None:
     out = dequantize(data.cuda(), qtype)
     assert out.device.type == "cuda"
     torch.testing.assert_close(out.cpu(), dequantize(data, qtype), rtol=0, atol=0)
+
+
+def test_f16_fields_decode_every_bit_pattern() -> None:
+    """The float16 scales are decoded by bit arithmetic: every one of the 65536 patterns (zeros, subnormals,
+    infinities, NaNs) gives numpy's float16 value."""
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    blocks = np.zeros((1 << 16, 34), dtype=np.uint8)
+    blocks[:, 0:2] = patterns.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2] = 1  # the first quant: the weight is d itself
+    got = dequantize(torch.from_numpy(blocks), T.Q8_0)[:, 0]
+    want = torch.from_numpy(patterns.view(np.float16).astype(np.float32))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+QUANTIZED = [t for t in TYPES if t not in (T.F32, T.F16, T.BF16)]
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_compiled_with_unknown_row_count(qtype: GGMLQuantizationType) -> None:
+    """Compiled as Strata compiles a forward (rows traced as unknown, e.g. an embedding lookup's): the same
+    bits as eager at any row count."""
+    columns = blocks_per_row(qtype) * block_layout(qtype)[0]
+    table = torch.from_numpy(quantized(qtype, (40, columns), seed=4))
+    torch._dynamo.reset()  # one lambda's code object, compiled once per type: not recompiles
+    compiled = torch.compile(lambda rows: dequantize(table[rows], qtype), dynamic=False, fullgraph=True)
+    example = torch.arange(2)
+    torch._dynamo.decorators.mark_unbacked(example, 0)
+    compiled(example)
+    for count in (1, 3, 40):
+        rows = torch.randperm(40, generator=torch.Generator().manual_seed(count))[:count]
+        torch.testing.assert_close(compiled(rows), reference(table.numpy(), qtype)[rows], rtol=0, atol=0)

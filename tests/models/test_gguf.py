@@ -215,3 +215,48 @@ def test_real_file_prompt_tokens_and_logits_match_transformers(smollm2: Path, sm
     chat = smollm2_llm.chat(messages, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
     reference.check(chat.token_ids)
     assert chat.text == tokenizer.decode(chat.token_ids, skip_special_tokens=True)
+
+
+# Types of the compiled reference test; K-quants (which the gguf library cannot quantize to) as random blocks.
+REFERENCE_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", REFERENCE_TYPES, ids=lambda t: t.name)
+def test_reference_layers_compiled_match_eager(qtype: Q, tmp_path: Path) -> None:
+    """The hw-agnostic GGUF layers, compiled (the dequantization fused by Inductor) and eager, on a tiny
+    Llama whose every matrix is of `qtype`: the same greedy tokens, log-probabilities to float32 rounding."""
+    config = TINY_CONFIGS["llama"]()
+    config.vocab_size, config.hidden_size, config.intermediate_size = VOCAB, 256, 256
+    config.num_hidden_layers, config.head_dim = 2, 64
+    names = ["token_embd.weight", "output.weight"] + [
+        f"blk.{layer}.{name}.weight"
+        for layer in range(config.num_hidden_layers)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    ]
+    k_quant = qtype in (Q.Q4_K, Q.Q6_K)
+    path = write_tiny_gguf(
+        config,
+        tmp_path / "model.gguf",
+        qtype=Q.F32 if k_quant else qtype,
+        random_blocks=dict.fromkeys(names, qtype) if k_quant else None,
+    )
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=0)
+    outputs = []
+    for compile in (False, True):
+        llm = LLM(
+            str(path), skip_tokenizer_init=True, max_model_len=128, compile=compile, layer_impl="hw-agnostic"
+        )
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+        assert linears and all(m.qtype == qtype for m in linears)
+        # Prefill, then decode one and several sequences at once (one row and several per step).
+        prompts = [{"prompt_token_ids": PROMPT[: 5 + 4 * i]} for i in range(3)]
+        outputs.append(
+            [
+                llm.generate(prompts[0], params)[0].outputs[0],
+                *(o.outputs[0] for o in llm.generate(prompts, params)),
+            ]
+        )
+    for eager, compiled in zip(*outputs, strict=True):
+        assert compiled.token_ids == eager.token_ids
+        for want, got in zip(eager.logprobs, compiled.logprobs, strict=True):
+            assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-3) for t in want)
