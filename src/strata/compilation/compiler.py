@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
@@ -35,6 +37,18 @@ from strata.process_local import ProcessLocal
 logger = logging.getLogger("strata.compilation")
 
 
+@functools.cache
+def source_digest() -> str:
+    """A hash of Strata's Python sources: a saved trace holds the graph of the code it traced (the reference
+    layers, the GGUF decoders, the model's adapters), which a released version number does not pin while the
+    code is being worked on."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
 def cache_key(config: EngineConfig) -> str:
     """What decides whether compiled pieces on disk fit this engine, beyond each piece's own graph hash."""
     compilation = config.compilation_config
@@ -43,8 +57,9 @@ def cache_key(config: EngineConfig) -> str:
         "model": config.model_config.hf_config.to_json_string(use_diff=False),
         "dtype": str(config.model_config.torch_dtype),
         "quantization": config.model_config.quantization,
-        "strata": __version__,
+        "strata": [__version__, source_digest()],
         "torch": torch.__version__,
+        "transformers": transformers.__version__,  # the modeling code the trace holds
         "layers": [config.layer_config.layer_impl, config.layer_config.custom_ops],
         "mode": compilation.mode,
         "use_layer_name": compilation.use_layer_name,
