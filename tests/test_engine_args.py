@@ -36,7 +36,7 @@ SERVE = GENERATE | {"max_num_seqs", "data_parallel_size"}
 COMMANDS = {
     "generate": (GENERATE, GENERATE_OPTIONS),
     "serve": (SERVE, SERVE_OPTIONS),
-    "layers": (LAYERS, LAYERS_OPTIONS),
+    "layers": (LAYERS | {"compile"}, LAYERS_OPTIONS),  # --compile: the report of the compiled pieces
 }
 
 # Where each config dataclass sits in an `EngineConfig`.
