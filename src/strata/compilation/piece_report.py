@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,15 +39,20 @@ class PieceReport:
     fused_ops: tuple[str, ...]
     extern_calls: dict[str, int]
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "fused_ops": list(self.fused_ops)}
+    def cells(self) -> dict[str, str]:
+        """The report as text: kernel count, the ops they compute, the calls of existing kernels ("-": none)."""
+        calls = ", ".join(f"{op} x{count}" for op, count in sorted(self.extern_calls.items()))
+        return {
+            "kernels": str(self.generated_kernels),
+            "generated ops": ", ".join(self.fused_ops) or "-",
+            "extern calls": calls or "-",
+        }
 
     def describe(self) -> str:
         """One line: the piece, its generated kernels and the ops in them, its calls of existing kernels."""
-        calls = ", ".join(f"{op} x{count}" for op, count in sorted(self.extern_calls.items())) or "none"
-        fused = ", ".join(self.fused_ops) or "nothing"
+        cells = self.cells()
         kernels = f"{self.generated_kernels} generated kernel{'' if self.generated_kernels == 1 else 's'}"
-        return f"piece {self.piece[:12]}: {kernels} ({fused}); extern calls: {calls}"
+        return f"piece {self.piece[:12]}: {kernels} ({cells['generated ops']}); extern calls: {cells['extern calls']}"
 
 
 def _op_name(namespace: str, op: str) -> str:

@@ -55,21 +55,9 @@ def _compiled_pieces(engine: LLMEngine) -> list[dict[str, Any]]:
     assert compiled is not None
     rows = []
     for key, report in compiled.backend.piece_reports.items():
-        if report is None:  # Inductor's provenance tracking switched off for this engine
-            rows.append(
-                {"piece": key[:12], "kernels": "-", "generated ops": "no record", "extern calls": "-"}
-            )
-            continue
-        calls = ", ".join(f"{op} x{count}" for op, count in report.extern_calls.items()) or "-"
-        fused = ", ".join(report.fused_ops) or "-"
-        rows.append(
-            {
-                "piece": key[:12],
-                "kernels": report.generated_kernels,
-                "generated ops": fused,
-                "extern calls": calls,
-            }
-        )
+        # None: Inductor's provenance tracking switched off for this engine
+        cells = report.cells() if report is not None else {"generated ops": "no record"}
+        rows.append({"piece": key[:12], "kernels": "-", "extern calls": "-", **cells})
     return rows
 
 

@@ -370,6 +370,11 @@ def decode(data: torch.Tensor, qtype: int) -> Decoded:
     qtype, _ = _checked_rows(data, qtype, None)
     if qtype in _FLOAT_DTYPES:
         raise ValueError(f"{_type_name(qtype)} is not block-quantized")
+    return _decode_blocks(data, qtype)
+
+
+def _decode_blocks(data: torch.Tensor, qtype: int) -> Decoded:
+    """`decode` of rows already checked."""
     type_size = block_layout(qtype)[1]
     # Decoders see [..., blocks, block bytes]: only the trailing, fixed dims are ever split or merged, so a
     # token count traced as unknown stays one dim of its own.
@@ -388,4 +393,4 @@ def dequantize(data: torch.Tensor, qtype: int, columns: int | None = None) -> to
     qtype, columns = _checked_rows(data, qtype, columns)
     if qtype in _FLOAT_DTYPES:
         return _reinterpret(data, _FLOAT_DTYPES[qtype]).to(torch.float32)
-    return decode(data, qtype).weights().flatten(data.dim() - 1)
+    return _decode_blocks(data, qtype).weights().flatten(data.dim() - 1)
